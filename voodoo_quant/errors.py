@@ -52,3 +52,7 @@ class ToolFailedError(VoodooError):
 
 class NotBuiltYetError(VoodooError):
     """A command of the spec that this version does not implement yet."""
+
+
+class DeviceError(ConfigError):
+    """A ``--device`` that does not exist on this machine (the message lists those that do)."""

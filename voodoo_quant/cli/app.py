@@ -5,8 +5,23 @@ from __future__ import annotations
 import importlib
 
 import typer
+from typer.core import TyperGroup
+
+from .argv import declared_flags, normalize
+
+
+class _Group(TyperGroup):
+    """Normalizes each subcommand's arguments (flag spellings, space-separated lists)."""
+
+    def resolve_command(self, ctx, args):
+        name, cmd, rest = super().resolve_command(ctx, args)
+        if cmd is not None:
+            rest = normalize(rest, declared_flags(cmd))
+        return name, cmd, rest
+
 
 app = typer.Typer(
+    cls=_Group,
     name="voodoo",
     help="Learned per-tensor llama.cpp quantization under a size budget, exported as a stock GGUF.",
     no_args_is_help=True,

@@ -1,16 +1,92 @@
-"""`voodoo train`: not built yet in this version."""
+"""`voodoo train`: parse every trainer flag into a TrainConfig and run the trainer."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import typer
 
-from ..errors import NotBuiltYetError
-from .common import report_errors
+from .common import console, report_errors
+
+R = "Model and teacher"
+B = "Budget"
+M = "Menus"
+O = "Optimization"
+D = "Data and outputs"
+H = "Hardware"
+J = "Journal"
+
+
+def build_config(**kw):
+    from ..training.config import TrainConfig
+
+    return TrainConfig(**kw)
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("train", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+    @app.command("train")
     @report_errors
-    def _cmd() -> None:
-        """Not built yet in this version."""
-        raise NotBuiltYetError("`voodoo train` is not built yet in this version")
+    def train(
+        model: str = typer.Option(..., "--model", help="HF checkpoint dir (config, tokenizer, safetensors).", rich_help_panel=R),
+        base_checkpoint: Optional[str] = typer.Option(None, "--base_checkpoint", help="Base .pt state dict (from make-teacher) replacing the checkpoint's weights.", rich_help_panel=R),
+        text_model_class: Optional[str] = typer.Option(None, "--text_model_class", help="Text-only class/model_type of a multimodal wrapper, e.g. qwen3_5_text.", rich_help_panel=R),
+        teacher_quant: Optional[str] = typer.Option(None, "--teacher_quant", help="Teacher weights: omit for the float model, Q8_0 for its llama.cpp-exact Q8_0.", rich_help_panel=R),
+        teacher_checkpoint: Optional[str] = typer.Option(None, "--teacher_checkpoint", help="Teacher .pt state dict (from make-teacher).", rich_help_panel=R),
+        compression_ratio: Optional[float] = typer.Option(None, "--compression_ratio", help="Target size as a fraction of the selectable tensors at uniform Q8_0 (Voodoo45 = 0.45).", rich_help_panel=B),
+        target_bits: Optional[float] = typer.Option(None, "--target_bits", help="Target bits per selectable weight (instead of --compression_ratio).", rich_help_panel=B),
+        budget_reduction: float = typer.Option(0.0, "--budget_reduction", help="Train toward target × (1 − this) so post-hoc --tensor_upgrades land on target.", rich_help_panel=B),
+        tensor_upgrades: Optional[str] = typer.Option(None, "--tensor_upgrades", help='JSON list of {"pattern": regex, "levels": ±n}: move matching tensors n rungs after the argmax.', rich_help_panel=B),
+        size_weight: float = typer.Option(100.0, "--size_weight", help="Weight of the quadratic size penalty outside the dead zone.", rich_help_panel=B),
+        size_tolerance: float = typer.Option(0.02, "--size_tolerance", help="Dead zone: no size penalty within ±this fraction of the target.", rich_help_panel=B),
+        candidate_types: Optional[str] = typer.Option(None, "--candidate_types", help="Default menu (space or comma separated): Q8_0 Q5_K IQ3_S IQ2_S IQ2_XXS IQ1_S.", rich_help_panel=M),
+        attention_candidates: Optional[str] = typer.Option(None, "--attention_candidates", help="Menu of the attention family (the adapter's attention_segments).", rich_help_panel=M),
+        non_attention_candidates: Optional[str] = typer.Option(None, "--non_attention_candidates", help="Menu of every other tensor.", rich_help_panel=M),
+        imatrix: Optional[str] = typer.Option(None, "--imatrix", help="llama.cpp imatrix (GGUF or legacy .dat); required for IQ2_XXS/IQ2_XS/IQ1_S and others.", rich_help_panel=M),
+        seq_len: int = typer.Option(512, "--seq_len", help="Tokens per sequence.", rich_help_panel=O),
+        batch_size: int = typer.Option(1, "--batch_size", help="Sequences per step.", rich_help_panel=O),
+        max_steps: int = typer.Option(100, "--max_steps", help="Training steps.", rich_help_panel=O),
+        lr: float = typer.Option(0.5, "--lr", help="Adam learning rate of the gate logits.", rich_help_panel=O),
+        distill_weight: float = typer.Option(1.0, "--distill_weight", help="λ: weight of KL(teacher ‖ student).", rich_help_panel=O),
+        tau_start: float = typer.Option(1.0, "--tau_start", help="Softmax temperature at the first step.", rich_help_panel=O),
+        tau_end: float = typer.Option(0.05, "--tau_end", help="Temperature at the last step (geometric annealing).", rich_help_panel=O),
+        seed: int = typer.Option(0, "--seed", help="Seed of the batch order.", rich_help_panel=O),
+        data_dir: str = typer.Option("data", help="Directory of the tokens file.", rich_help_panel=D),
+        data_name: str = typer.Option("train_tokens.pt", help="Tokens file written by `voodoo data`.", rich_help_panel=D),
+        output_dir: str = typer.Option("runs/voodoo", help="Where the journal and the outputs go.", rich_help_panel=D),
+        output_name: str = typer.Option("voodoo.pt", help="Name of the result .pt (assignment, gates, config, metrics).", rich_help_panel=D),
+        device: str = typer.Option("cpu", help="cpu, cuda or cuda:N (ROCm GPUs are cuda:N too).", rich_help_panel=H),
+        dtype: str = typer.Option("float32", help="Training dtype: float32, bfloat16 or float16.", rich_help_panel=H),
+        lazy: bool = typer.Option(False, "--lazy", help="Keep candidates packed; dequantize on the fly (less memory).", rich_help_panel=H),
+        gradient_checkpointing: bool = typer.Option(False, "--gradient_checkpointing", help="Recompute activations in backward.", rich_help_panel=H),
+        no_compile: bool = typer.Option(False, "--no_compile", help="Accepted for recipe compatibility; this version never compiles.", rich_help_panel=H),
+        tensor_parallel: int = typer.Option(1, "--tensor_parallel", help="TP degree (run through `voodoo tp`).", rich_help_panel=H),
+        device_map: Optional[str] = typer.Option(None, "--device_map", help="Layer-wise placement, e.g. cuda:0,cuda:1.", rich_help_panel=H),
+        partial_save_interval: int = typer.Option(10, "--partial_save_interval", help="Write the journal every N steps.", rich_help_panel=J),
+        resume: bool = typer.Option(True, "--resume/--no_resume", help="Resume from the journal in --output_dir if present.", rich_help_panel=J),
+        dry_run: bool = typer.Option(False, "--dry_run", help="Print every tensor's menu, bytes and the size range; train nothing.", rich_help_panel=J),
+    ) -> None:
+        """Train the gates under the size budget, bake, and write the assignment."""
+        from ..training.report import print_dry_run, print_result, progress_reporter
+        from ..training.trainer import Trainer
+
+        cfg = build_config(**{k: v for k, v in locals().items() if k in _FIELDS})
+        trainer = Trainer(cfg)
+        if dry_run:
+            trainer.prepare(build=False)
+            print_dry_run(console, trainer.run)
+            return
+        with progress_reporter(console, trainer) as on_step:
+            trainer.on_step = on_step
+            trainer.prepare()
+            result = trainer.train()
+        print_result(console, trainer.run, result)
+
+
+_FIELDS = {
+    "model", "base_checkpoint", "text_model_class", "teacher_quant", "teacher_checkpoint", "compression_ratio",
+    "target_bits", "budget_reduction", "tensor_upgrades", "size_weight", "size_tolerance", "candidate_types",
+    "attention_candidates", "non_attention_candidates", "imatrix", "seq_len", "batch_size", "max_steps", "lr",
+    "distill_weight", "tau_start", "tau_end", "seed", "data_dir", "data_name", "output_dir", "output_name", "device",
+    "dtype", "lazy", "gradient_checkpointing", "no_compile", "tensor_parallel", "device_map", "partial_save_interval",
+    "resume", "dry_run",
+}

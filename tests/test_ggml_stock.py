@@ -1,0 +1,111 @@
+"""The bridge's bytes equal stock ``llama-quantize`` output, tensor for tensor (slow).
+
+A 2-layer random Llama (hidden 256 so K/IQ types apply) is converted to F32 GGUF by the vendored
+convert_hf_to_gguf.py, an imatrix is made by stock ``llama-imatrix`` on real text, then each type
+is quantized once by ``llama-quantize --pure`` and by the bridge, and every block tensor compared.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from voodoo_quant import paths
+from voodoo_quant import qtypes as qt
+
+pytestmark = pytest.mark.slow
+
+# One llama-quantize run each. The imatrix ones include every type that needs one
+# (IQ2_S, IQ2_XXS, IQ1_S), and K/IQ types whose imatrix path differs from the plain one.
+PLAIN = ["Q8_0", "Q6_K", "Q5_K", "Q3_K", "IQ4_NL", "Q5_0", "Q4_0"]
+WITH_IMATRIX = ["Q4_K", "Q2_K", "IQ4_XS", "IQ3_S", "IQ2_S", "IQ2_XXS", "IQ1_S"]
+
+
+def _run(cmd: list[str], cwd=None) -> None:
+    r = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, cwd=cwd, timeout=600)
+    assert r.returncode == 0, f"{cmd[0]} failed ({r.returncode}):\n{r.stderr[-3000:]}"
+
+
+def _reader(path):
+    from gguf import GGUFReader
+
+    return GGUFReader(str(path))
+
+
+@pytest.fixture(scope="module")
+def tiny_f32_gguf(tmp_path_factory, smollm2_tokenizer_dir):
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    d = tmp_path_factory.mktemp("tiny_llama")
+    model.save_pretrained(d / "hf")
+    tok.save_pretrained(d / "hf")
+    out = d / "f32.gguf"
+    _run([sys.executable, paths.convert_script(), d / "hf", "--outtype", "f32", "--outfile", out])
+    return out
+
+
+@pytest.fixture(scope="module")
+def stock_imatrix(tiny_f32_gguf, shakespeare_text_file):
+    out = tiny_f32_gguf.parent / "imatrix.gguf"
+    _run([paths.tool_path("llama-imatrix"), "-m", tiny_f32_gguf, "-f", shakespeare_text_file, "-o", out,
+          "-c", "128", "--chunks", "4", "-t", "2", "--no-ppl"])
+    r = _reader(out)
+    sums = {t.name[: -len(".in_sum2")]: np.array(t.data, np.float32).reshape(-1)
+            for t in r.tensors if t.name.endswith(".in_sum2")}
+    counts = {t.name[: -len(".counts")]: np.array(t.data, np.float32).reshape(-1)
+              for t in r.tensors if t.name.endswith(".counts")}
+    # llama.cpp's exact arithmetic (tools/quantize/quantize.cpp load_imatrix): float / float;
+    # a one-ulp difference changes K-quant bytes.
+    vectors = {}
+    for name, s in sums.items():
+        assert counts[name].size == 1 and counts[name][0] > 0, name
+        vectors[name] = s / np.float32(counts[name][0])
+    assert any(k.startswith("blk.0.ffn_down") for k in vectors), sorted(vectors)
+    return out, vectors
+
+
+@pytest.fixture(scope="module")
+def f32_tensors(tiny_f32_gguf):
+    r = _reader(tiny_f32_gguf)
+    out = {}
+    for t in r.tensors:
+        if t.name.startswith("blk.") and len(t.shape) == 2:
+            assert t.tensor_type == 0, t.name  # F32
+            # GGUFReader gives data in numpy (rows, n_per_row) order.
+            out[t.name] = np.ascontiguousarray(np.array(t.data, np.float32))
+    assert len(out) == 2 * 7, sorted(out)  # q k v o gate up down per layer
+    return out
+
+
+@pytest.mark.parametrize("qtype", PLAIN + WITH_IMATRIX)
+def test_bridge_equals_llama_quantize(ggml_lib, tiny_f32_gguf, stock_imatrix, f32_tensors, qtype, tmp_path):
+    from test_ggml_bridge import assert_same_bytes
+
+    q = qt.get(qtype)
+    use_imatrix = qtype in WITH_IMATRIX
+    imatrix_file, vectors = stock_imatrix
+    out = tmp_path / f"{qtype}.gguf"
+    cmd = [paths.tool_path("llama-quantize"), "--pure", "--token-embedding-type", "q8_0"]
+    if use_imatrix:
+        cmd += ["--imatrix", imatrix_file]
+    _run(cmd + [tiny_f32_gguf, out, qtype, "2"])
+    stock = {t.name: t for t in _reader(out).tensors}
+    compared = 0
+    for name, w in f32_tensors.items():
+        t = stock[name]
+        assert qt.by_id(int(t.tensor_type)).name == qtype, (name, t.tensor_type)
+        im = vectors[name[: -len(".weight")] + ".weight"] if use_imatrix else None
+        mine = ggml_lib.quantize(w, q, im, name=name)
+        assert_same_bytes(mine, np.asarray(t.data).tobytes(), q)
+        compared += 1
+    assert compared == 14

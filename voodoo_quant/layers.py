@@ -1,0 +1,160 @@
+"""``MixedQuant``: K frozen candidates of one weight tensor and one learnable gate per candidate.
+
+During training a selectable weight is the softmax mixture ``W = Σ_k p_k · W_k`` with
+``p = softmax(g / τ)``. The module is registered as a torch *parametrization* of the layer's
+``weight`` (``torch.nn.utils.parametrize``), so the layer's own forward is untouched: any Linear,
+Embedding or subclass (scaled embeddings, ...) works, and a tied embedding / LM head is one
+``MixedQuant`` registered on both. Inside ``parametrize.cached()`` the mixture is computed once
+per forward call, not per token and not per use.
+
+Candidates are either held dequantized (eager) or packed as their ggml bytes (``--lazy``) and
+dequantized on the fly by :mod:`voodoo_quant.quants`. Either way the mixture runs through
+:class:`_Mix`, which keeps only one candidate materialized at a time and recomputes candidates
+in backward instead of saving them: memory is the packed bytes plus one dense weight.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+import torch.nn as nn
+from torch.nn.utils import parametrize
+
+CandidateFn = Callable[[int], torch.Tensor]
+
+
+class _Mix(torch.autograd.Function):
+    """W = Σ_k p_k W_k with dL/dp_k = <dL/dW, W_k>; W_k produced on demand by `get`."""
+
+    @staticmethod
+    def forward(ctx, p: torch.Tensor, get: CandidateFn, k_count: int, dtype: torch.dtype) -> torch.Tensor:  # type: ignore[override]
+        out = None
+        for k in range(k_count):
+            wk = get(k)
+            # Accumulate in the candidate dtype, weights applied in float32 for stability.
+            term = wk.to(torch.float32) * p[k].to(torch.float32)
+            out = term if out is None else out.add_(term)
+        ctx.get = get
+        ctx.k_count = k_count
+        ctx.save_for_backward(p)
+        return out.to(dtype)
+
+    @staticmethod
+    def backward(ctx, grad_w: torch.Tensor):  # type: ignore[override]
+        (p,) = ctx.saved_tensors
+        g = grad_w.to(torch.float32)
+        grads = torch.stack([(g * ctx.get(k).to(torch.float32)).sum() for k in range(ctx.k_count)])
+        return grads.to(p.dtype), None, None, None
+
+
+class MixedQuant(nn.Module):
+    """Gates over K candidates of one tensor; a parametrization of a layer's ``weight``.
+
+    Args:
+        name: the HF parameter name (for reports).
+        menu: type names, cheapest first.
+        nbytes: exact GGUF bytes of each candidate.
+        candidates: a (K, *shape) tensor (eager), or a callable k -> tensor (lazy).
+        shape: the weight's shape.
+        dtype: the dtype of the produced weight (training dtype).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        menu: Sequence[str],
+        nbytes: Sequence[int],
+        candidates: torch.Tensor | CandidateFn,
+        shape: Sequence[int],
+        dtype: torch.dtype = torch.float32,
+        init_logits: torch.Tensor | None = None,
+    ):
+        super().__init__()
+        if len(menu) != len(nbytes) or not menu:
+            raise ValueError(f"{name}: menu and nbytes must be non-empty and of equal length")
+        self.name = name
+        self.menu = tuple(menu)
+        self.shape = tuple(int(s) for s in shape)
+        self.dtype = dtype
+        self.register_buffer("nbytes", torch.tensor([float(b) for b in nbytes], dtype=torch.float64), persistent=False)
+        if callable(candidates):
+            self._get: CandidateFn = candidates
+            self.stacked = None
+        else:
+            if tuple(candidates.shape) != (len(menu), *self.shape):
+                raise ValueError(f"{name}: candidates of shape {tuple(candidates.shape)}, expected {(len(menu), *self.shape)}")
+            self.register_buffer("stacked", candidates, persistent=False)
+            self._get = lambda k: self.stacked[k]
+        init = torch.zeros(len(menu)) if init_logits is None else init_logits.detach().float().clone()
+        self.gates = nn.Parameter(init)
+        self.tau = 1.0
+        self.baked: int | None = None
+
+    # -- inspection ---------------------------------------------------------------------------
+    @property
+    def k(self) -> int:
+        return len(self.menu)
+
+    def probs(self) -> torch.Tensor:
+        return torch.softmax(self.gates.float() / self.tau, dim=0)
+
+    def argmax(self) -> int:
+        return int(torch.argmax(self.gates.detach()).item())
+
+    def confidence(self) -> float:
+        return float(self.probs().detach().max().item())
+
+    def entropy(self) -> torch.Tensor:
+        p = self.probs()
+        return -(p * torch.log(p.clamp_min(1e-12))).sum()
+
+    def expected_bytes(self) -> torch.Tensor:
+        """Σ_k p_k · bytes_k, differentiable w.r.t. the gates (float64 for exact byte sums)."""
+        if self.baked is not None:
+            return self.nbytes[self.baked]
+        return (self.probs().to(torch.float64) * self.nbytes).sum()
+
+    def candidate(self, k: int) -> torch.Tensor:
+        return self._get(k)
+
+    # -- bake -------------------------------------------------------------------------------
+    def bake(self, k: int | None = None) -> int:
+        """Serve candidate `k` (default: the argmax) exactly, with no mixing."""
+        self.baked = self.argmax() if k is None else int(k)
+        if not 0 <= self.baked < self.k:
+            raise IndexError(f"{self.name}: candidate {self.baked} out of range 0..{self.k - 1}")
+        return self.baked
+
+    def unbake(self) -> None:
+        self.baked = None
+
+    # -- parametrization forward --------------------------------------------------------------
+    def forward(self, _original: torch.Tensor) -> torch.Tensor:
+        if self.baked is not None:
+            return self._get(self.baked).to(self.dtype)
+        return _Mix.apply(self.probs(), self._get, self.k, self.dtype)
+
+
+def attach(module: nn.Module, mq: MixedQuant) -> None:
+    """Make `mq` the parametrization of `module.weight`, dropping the dense original.
+
+    ``unsafe=True`` because the original is replaced by an empty placeholder: the candidates
+    carry all the information, and keeping the float original would double the memory.
+    """
+    if parametrize.is_parametrized(module, "weight"):
+        raise ValueError(f"{mq.name}: already parametrized")
+    placeholder = nn.Parameter(torch.empty(0, dtype=mq.dtype, device=module.weight.device), requires_grad=False)
+    # Untie first: for a tied embedding/head the same Parameter object sits on both modules.
+    del module._parameters["weight"]
+    module.register_parameter("weight", placeholder)
+    parametrize.register_parametrization(module, "weight", mq, unsafe=True)
+
+
+def mixed_modules(model: nn.Module) -> dict[str, MixedQuant]:
+    """Every distinct MixedQuant in `model`, by its tensor name (tied ones once)."""
+    out: dict[str, MixedQuant] = {}
+    for m in model.modules():
+        if isinstance(m, MixedQuant):
+            out.setdefault(m.name, m)
+    return out

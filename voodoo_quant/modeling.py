@@ -1,0 +1,200 @@
+"""Loading models and tokenizers: an HF checkpoint dir, a GGUF file, or a hub id.
+
+Shared by data, make-teacher, eval and the trainer. The *text model* is what we quantize: for a
+multimodal wrapper (``model.language_model.*``) the text-only class is chosen with
+``text_model_class`` (a ``model_type`` such as ``qwen3_5_text`` or a transformers class name
+such as ``Qwen3_5ForCausalLM``) and built from the config's text section.
+
+GGUF files are loaded through transformers (``gguf_file=``): it dequantizes with gguf-py, whose
+``dequantize`` equals ggml ``to_float`` exactly for every type (checked for this project), and it
+undoes llama.cpp's Q/K row permutation (``convert_hf_to_gguf.py`` LlamaModel.permute).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError, CorruptFileError, VoodooError
+
+
+class ModelLoadError(VoodooError):
+    exit_code = 2
+
+
+def is_gguf(source: str | os.PathLike) -> bool:
+    p = Path(source)
+    return p.suffix.lower() == ".gguf" and p.is_file()
+
+
+def _hf_kwargs(source: str | os.PathLike) -> tuple[str, dict[str, Any]]:
+    """(pretrained path/id, extra kwargs) for transformers' from_pretrained."""
+    p = Path(source)
+    if is_gguf(p):
+        return str(p.resolve().parent), {"gguf_file": p.name}
+    if p.is_dir():
+        return str(p), {}
+    if p.suffix.lower() == ".gguf" or p.exists():
+        raise ModelLoadError(f"model source {p} is neither an HF checkpoint dir nor a GGUF file")
+    # Anything else is taken as a hub id; it works only where the network allows.
+    return str(source), {}
+
+
+def _wrap(what: str, source: Any, e: Exception) -> ModelLoadError:
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return ModelLoadError(f"cannot load {what} from {source}: {first}")
+
+
+def load_tokenizer(source: str | os.PathLike):
+    """The tokenizer of an HF dir, a GGUF file (its embedded vocab), or a hub id."""
+    from transformers import AutoTokenizer
+
+    path, kw = _hf_kwargs(source)
+    try:
+        return AutoTokenizer.from_pretrained(path, **kw)
+    except (OSError, ValueError, KeyError, ImportError) as e:
+        raise _wrap("tokenizer", source, e) from None
+
+
+def load_config(source: str | os.PathLike):
+    from transformers import AutoConfig
+
+    path, kw = _hf_kwargs(source)
+    try:
+        return AutoConfig.from_pretrained(path, **kw)
+    except (OSError, ValueError, KeyError, ImportError) as e:
+        raise _wrap("config", source, e) from None
+
+
+def resolve_text_class(config: Any, text_model_class: str | None):
+    """(causal-LM class, text config) for `config`, optionally forced by `text_model_class`."""
+    import transformers
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as LM_NAMES
+
+    text_cfg = config.get_text_config(decoder=True)
+    if text_model_class is None:
+        cls_name = LM_NAMES.get(text_cfg.model_type) or LM_NAMES.get(config.model_type)
+        if cls_name is None:
+            raise ModelLoadError(
+                f"no causal-LM class for model_type {text_cfg.model_type!r}; pass --text_model_class"
+            )
+        return getattr(transformers, cls_name), text_cfg
+    if text_model_class in LM_NAMES:
+        model_type, cls_name = text_model_class, LM_NAMES[text_model_class]
+    elif hasattr(transformers, text_model_class):
+        cls_name = text_model_class
+        model_type = getattr(transformers, cls_name).config_class.model_type
+    else:
+        known = ", ".join(sorted(LM_NAMES)[:12])
+        raise ConfigError(
+            f"--text_model_class {text_model_class!r} is neither a causal-LM model_type nor a "
+            f"transformers class (model_types include: {known}, ...)"
+        )
+    cls = getattr(transformers, cls_name)
+    if text_cfg.model_type != model_type:
+        # The text section of a wrapper config becomes the text-only config class.
+        d = text_cfg.to_dict()
+        d.pop("model_type", None)
+        text_cfg = CONFIG_MAPPING[model_type](**d)
+    return cls, text_cfg
+
+
+def load_model(source: str | os.PathLike, *, text_model_class: str | None = None,
+               strip_prefix: str | None = None, dtype: Any = None):
+    """A causal LM from an HF dir / GGUF / hub id, in eval mode, on the CPU.
+
+    With `text_model_class` / `strip_prefix`, only the text model of a wrapper is built; its
+    weights are read by :func:`voodoo_quant.tools.teacher.text_state_dict`.
+    """
+    import torch
+
+    dtype = dtype or torch.float32
+    path, kw = _hf_kwargs(source)
+    if (text_model_class is not None or strip_prefix) and not is_gguf(source):
+        from .tools.teacher import text_state_dict
+
+        cls, text_cfg = resolve_text_class(load_config(source), text_model_class)
+        sd = text_state_dict(Path(source), cls, text_cfg, strip_prefix=strip_prefix, dtype=dtype)
+        return model_from_state_dict(cls, text_cfg, sd, dtype=dtype)
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw)
+    except (OSError, ValueError, KeyError, ImportError) as e:
+        raise _wrap("model", source, e) from None
+    return model.eval()
+
+
+def model_from_state_dict(cls, config, state_dict: dict, *, dtype: Any = None):
+    """Build `cls(config)` without allocating random weights, then load `state_dict`."""
+    import torch
+
+    with torch.device("meta"):
+        model = cls(config)
+    missing, unexpected = model.load_state_dict(state_dict, strict=False, assign=True)
+    tied = set(_tied_keys(model))
+    missing = [k for k in missing if k not in tied]
+    if missing or unexpected:
+        raise CorruptFileError(
+            f"state dict does not fit {cls.__name__}: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
+    if tied:
+        model.tie_weights()
+    if dtype is not None:
+        model = model.to(dtype)
+    # Buffers (rotary inv_freq, ...) are not in the state dict: recompute them off the meta device.
+    _materialize_buffers(model)
+    return model.eval()
+
+
+def _tied_keys(model) -> list[str]:
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return []
+    return [k for k in model.state_dict() if k.endswith("lm_head.weight")]
+
+
+def _materialize_buffers(model) -> None:
+    import torch
+
+    for mod in model.modules():
+        for name, buf in list(mod.named_buffers(recurse=False)):
+            if buf is not None and buf.is_meta:
+                if hasattr(mod, "rope_init_fn") and name == "inv_freq":
+                    inv_freq, _ = mod.rope_init_fn(mod.config, torch.device("cpu"))
+                    mod.register_buffer(name, inv_freq, persistent=False)
+                    if hasattr(mod, "original_inv_freq"):
+                        mod.original_inv_freq = inv_freq
+                else:
+                    raise ModelLoadError(f"buffer {name} of {type(mod).__name__} cannot be materialized")
+
+
+@dataclass(frozen=True)
+class SourceIdentity:
+    """What a model artifact was made from: recorded in every file derived from it."""
+
+    path: str
+    kind: str  # "hf_dir" | "gguf" | "hub"
+    sha256: str  # of the GGUF file, or of the checkpoint's config + weight-file hashes
+
+    def to_dict(self) -> dict[str, str]:
+        return {"path": self.path, "kind": self.kind, "sha256": self.sha256}
+
+
+def source_identity(source: str | os.PathLike) -> SourceIdentity:
+    from .fileio import sha256_file
+
+    p = Path(source)
+    if is_gguf(p):
+        return SourceIdentity(str(p.resolve()), "gguf", sha256_file(p))
+    if p.is_dir():
+        h = hashlib.sha256()
+        for f in sorted(p.iterdir()):
+            if f.is_file() and (f.suffix in (".safetensors", ".json", ".bin") or f.name.endswith(".model")):
+                h.update(json.dumps([f.name, sha256_file(f)]).encode())
+        return SourceIdentity(str(p.resolve()), "hf_dir", h.hexdigest())
+    return SourceIdentity(str(source), "hub", "")

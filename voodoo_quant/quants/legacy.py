@@ -1,0 +1,57 @@
+"""Legacy 32-weight block types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, and MXFP4.
+
+Formulas and float operation order follow ``dequantize_row_*`` in llama.cpp
+``ggml/src/ggml-quants.c``: ``x*d`` for the symmetric types, ``x*d + m`` for the ``_1`` types
+(two roundings: a product, then a sum; never fused). Block layouts: ``ggml/src/ggml-common.h``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _fields as f
+from ._registry import register
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """16 bytes -> 32 codes: low nibbles are weights 0..15, high nibbles 16..31."""
+    return torch.cat([qs & 0x0F, qs >> 4], dim=1)
+
+
+def _high_bits(blocks: torch.Tensor, off: int) -> torch.Tensor:
+    """The 5th bit of the 32 codes of Q5_0/Q5_1: bit j of the uint32 ``qh`` belongs to weight j."""
+    return f.bits(f.uint(blocks, off, 1, 4)[:, 0], 32) << 4
+
+
+@register("Q4_0")
+def q4_0(blocks: torch.Tensor) -> torch.Tensor:
+    d = f.f16(blocks, 0)
+    x = _nibbles(f.u8(blocks, 2, 16)) - 8
+    return x.float() * d[:, None]
+
+
+@register("Q4_1")
+def q4_1(blocks: torch.Tensor) -> torch.Tensor:
+    d, m = f.f16(blocks, 0), f.f16(blocks, 2)
+    x = _nibbles(f.u8(blocks, 4, 16))
+    return x.float() * d[:, None] + m[:, None]
+
+
+@register("Q5_0")
+def q5_0(blocks: torch.Tensor) -> torch.Tensor:
+    d = f.f16(blocks, 0)
+    x = (_nibbles(f.u8(blocks, 6, 16)) | _high_bits(blocks, 2)) - 16
+    return x.float() * d[:, None]
+
+
+@register("Q5_1")
+def q5_1(blocks: torch.Tensor) -> torch.Tensor:
+    d, m = f.f16(blocks, 0), f.f16(blocks, 2)
+    x = _nibbles(f.u8(blocks, 8, 16)) | _high_bits(blocks, 4)
+    return x.float() * d[:, None] + m[:, None]
+
+
+@register("Q8_0")
+def q8_0(blocks: torch.Tensor) -> torch.Tensor:
+    d = f.f16(blocks, 0)
+    return f.i8(blocks, 2, 32).float() * d[:, None]

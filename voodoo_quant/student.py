@@ -1,0 +1,216 @@
+"""Plan the selectable tensors of a model, build their candidates, and turn it into a student.
+
+A tensor is selectable if it is the 2-D weight of an ``nn.Linear`` or ``nn.Embedding``
+(tied weights count once). Its GGUF layout (row length, name) comes from a *layout provider*;
+without one, the weight's own rows are the GGUF rows, which is how llama.cpp stores a Linear
+(ne[0] = in_features) and an embedding (ne[0] = hidden).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Mapping, Protocol, Sequence
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from . import ggml
+from . import qtypes as qt
+from .arch.base import ArchAdapter
+from .errors import ConfigError
+from .layers import MixedQuant, attach
+from .menus import Menu, MenuConfig, build_menu
+
+log = logging.getLogger(__name__)
+
+
+class Layout(Protocol):
+    """Maps a tensor between its HF layout and the 2-D matrix llama.cpp stores."""
+
+    gguf_name: str | None
+    rows: int
+    n_per_row: int
+
+    def to_gguf(self, w: torch.Tensor) -> np.ndarray: ...  # float32, (rows, n_per_row), C-contiguous
+
+    def from_gguf(self, m: torch.Tensor) -> torch.Tensor: ...  # back to the HF shape
+
+
+@dataclass
+class IdentityLayout:
+    gguf_name: str | None
+    shape: tuple[int, ...]
+
+    @property
+    def n_per_row(self) -> int:
+        return self.shape[-1]
+
+    @property
+    def rows(self) -> int:
+        return int(np.prod(self.shape[:-1]))
+
+    def to_gguf(self, w: torch.Tensor) -> np.ndarray:
+        return np.ascontiguousarray(w.detach().to(torch.float32).cpu().reshape(self.rows, self.n_per_row).numpy())
+
+    def from_gguf(self, m: torch.Tensor) -> torch.Tensor:
+        return m.reshape(self.shape)
+
+
+@dataclass
+class TensorPlan:
+    name: str  # HF parameter name (first of tied names)
+    shape: tuple[int, ...]
+    role: str  # "attention" | "other"
+    layout: Layout
+    menu: Menu
+    sizes: tuple[int, ...]  # exact GGUF bytes per menu rung
+    modules: list[str] = field(default_factory=list)  # module names using this weight
+
+    @property
+    def gguf_name(self) -> str | None:
+        return self.layout.gguf_name
+
+    @property
+    def rows(self) -> int:
+        return self.layout.rows
+
+    @property
+    def n_per_row(self) -> int:
+        return self.layout.n_per_row
+
+
+def selectable_weights(model: nn.Module) -> dict[str, tuple[nn.Parameter, list[str]]]:
+    """name -> (weight, [module names]) for every 2-D Linear/Embedding weight, tied ones once."""
+    by_id: dict[int, tuple[str, nn.Parameter, list[str]]] = {}
+    for mname, mod in model.named_modules():
+        if isinstance(mod, (nn.Linear, nn.Embedding)):
+            w = mod.weight
+            if not isinstance(w, torch.Tensor) or w.dim() != 2 or w.numel() == 0:
+                continue
+            pname = f"{mname}.weight" if mname else "weight"
+            entry = by_id.setdefault(id(w), (pname, w, []))
+            entry[2].append(mname)
+    return {name: (w, mods) for name, w, mods in by_id.values()}
+
+
+LayoutProvider = Callable[[str, tuple[int, ...]], Layout]
+
+
+def plan_model(
+    model: nn.Module,
+    adapter: ArchAdapter,
+    menus: MenuConfig,
+    *,
+    imatrix_names: Iterable[str] | None = None,
+    layout_for: LayoutProvider | None = None,
+) -> list[TensorPlan]:
+    """The selectable tensors with their roles, GGUF layouts and menus."""
+    covered = set(imatrix_names or ())
+    plans: list[TensorPlan] = []
+    for name, (w, mods) in selectable_weights(model).items():
+        shape = tuple(int(s) for s in w.shape)
+        layout = layout_for(name, shape) if layout_for else IdentityLayout(adapter.gguf_name(name), shape)
+        role = "attention" if adapter.is_attention(name) else "other"
+        has_im = layout.gguf_name is not None and layout.gguf_name in covered
+        menu = build_menu(menus.types_for(role), layout.n_per_row, has_im)
+        if menu.dropped_no_imatrix:
+            log.warning("%s: dropped %s from its menu (no imatrix covers it)", name, ", ".join(menu.dropped_no_imatrix))
+        if not menu.types:
+            raise ConfigError(
+                f"{name}: no candidate type is left on its menu (asked {', '.join(menu.requested)}; "
+                f"dropped for lack of an imatrix: {', '.join(menu.dropped_no_imatrix)}); pass --imatrix or add types"
+            )
+        sizes = tuple(qt.get(t).row_bytes(layout.n_per_row) * layout.rows for t in menu.types)
+        plans.append(TensorPlan(name, shape, role, layout, menu, sizes, mods))
+    if not plans:
+        raise ConfigError("the model has no selectable tensors (2-D Linear or Embedding weights)")
+    return plans
+
+
+QuantizeFn = Callable[[np.ndarray, str, np.ndarray | None, str], bytes]
+
+
+def direct_quantize(matrix: np.ndarray, qtype: str, imatrix: np.ndarray | None, name: str) -> bytes:
+    return ggml.lib().quantize(matrix, qtype, imatrix, name=name)
+
+
+@dataclass
+class PackedCandidates:
+    """A tensor's candidates as their ggml bytes; dequantized on demand on `device`."""
+
+    plan: TensorPlan
+    packed: list[torch.Tensor]  # uint8, one per menu rung
+    dtype: torch.dtype
+
+    def __call__(self, k: int) -> torch.Tensor:
+        from . import quants
+
+        t = self.plan.menu.types[k]
+        m = quants.dequantize(self.packed[k], t, (self.plan.rows, self.plan.n_per_row))
+        return self.plan.layout.from_gguf(m).to(self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.numel() for p in self.packed)
+
+
+def candidate_bytes(
+    plan: TensorPlan,
+    weight: torch.Tensor,
+    imatrix: Mapping[str, np.ndarray] | None,
+    quantize: QuantizeFn = direct_quantize,
+) -> list[bytes]:
+    """The ggml bytes of every rung of `plan`'s menu, quantized from the GGUF-layout matrix."""
+    m = plan.layout.to_gguf(weight)
+    vec = None
+    if imatrix is not None and plan.gguf_name is not None:
+        vec = imatrix.get(plan.gguf_name)
+    out = []
+    for t in plan.menu.types:
+        q = qt.get(t)
+        use = vec if vec is not None and not q.is_float else None
+        out.append(quantize(m, t, use, plan.name))
+    return out
+
+
+def build_mixed(
+    plan: TensorPlan,
+    blobs: Sequence[bytes],
+    *,
+    lazy: bool,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    init_logits: torch.Tensor | None = None,
+) -> MixedQuant:
+    """A MixedQuant for `plan` from its candidates' bytes (eager: dequantized now; lazy: packed)."""
+    if lazy:
+        packed = [torch.frombuffer(bytearray(b), dtype=torch.uint8).to(device) for b in blobs]
+        cands: torch.Tensor | PackedCandidates = PackedCandidates(plan, packed, dtype)
+    else:
+        lib = ggml.lib()
+        dense = [
+            plan.layout.from_gguf(torch.from_numpy(lib.dequantize(b, t, (plan.rows, plan.n_per_row), name=plan.name)))
+            for b, t in zip(blobs, plan.menu.types)
+        ]
+        cands = torch.stack(dense).to(device=device, dtype=dtype)
+    return MixedQuant(plan.name, plan.menu.types, plan.sizes, cands, plan.shape, dtype=dtype, init_logits=init_logits)
+
+
+def attach_all(model: nn.Module, plans: Sequence[TensorPlan], mixed: Mapping[str, MixedQuant]) -> None:
+    """Register every MixedQuant on the modules that use its weight (tied ones share one)."""
+    modules = dict(model.named_modules())
+    for plan in plans:
+        for mname in plan.modules:
+            attach(modules[mname], mixed[plan.name])
+
+
+def prior_logits(plan: TensorPlan, target_bpw: float, sharpness: float = 1.0) -> torch.Tensor:
+    """Gate init: a Gaussian prior in bits around the target, so training starts near budget.
+
+    g_k = −sharpness · (bpw_k − target_bpw)²; at τ = 1 the expected size starts close to the
+    target instead of at the menu's mean, and every rung keeps a non-zero probability.
+    """
+    bpw = torch.tensor([8.0 * s / (plan.rows * plan.n_per_row) for s in plan.sizes])
+    return -sharpness * (bpw - target_bpw) ** 2

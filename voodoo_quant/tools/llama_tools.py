@@ -1,0 +1,67 @@
+"""Running llama.cpp's stock tools (llama-perplexity, llama-quantize, ...) as subprocesses.
+
+Arguments are always a list (never a shell string). A missing tool raises MissingToolError; a
+failing one raises ToolFailedError carrying the tool's last meaningful stderr line.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from .. import paths
+from ..errors import ToolFailedError
+
+
+@dataclass(frozen=True)
+class ToolRun:
+    args: list[str]
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def output(self) -> str:
+        return self.stdout + "\n" + self.stderr
+
+
+def last_error_line(text: str) -> str:
+    """The most telling line of a tool's stderr: the last one that mentions an error, else the last."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if "error" in ln.lower() or "failed" in ln.lower():
+            return ln
+    return lines[-1] if lines else "(no output)"
+
+
+def run_tool(name: str, args: Sequence[str | os.PathLike], *, timeout: float | None = None,
+             cwd: str | os.PathLike | None = None) -> ToolRun:
+    exe = paths.tool_path(name)  # MissingToolError with the build hint
+    argv = [str(exe), *map(str, args)]
+    env = dict(os.environ, GGML_NO_BACKTRACE="1")  # a failing ggml check must not start gdb
+    try:
+        p = subprocess.run(argv, capture_output=True, text=True, errors="replace", timeout=timeout,
+                           cwd=cwd, env=env)
+    except subprocess.TimeoutExpired:
+        raise ToolFailedError(f"{name} did not finish within {timeout:.0f} s") from None
+    except OSError as e:
+        raise ToolFailedError(f"{name} could not start: {e}") from None
+    run = ToolRun(argv, p.returncode, p.stdout, p.stderr)
+    if p.returncode != 0:
+        raise ToolFailedError(f"{name} exited with {p.returncode}: {last_error_line(p.stderr or p.stdout)}")
+    return run
+
+
+def tool_exists(name: str) -> bool:
+    return (paths.llama_cpp_dir() / "build" / "bin" / name).is_file()
+
+
+def gguf_tensor_stats(path: str | Path) -> tuple[int, int]:
+    """(tensor data bytes, weights) of a GGUF file, read from its header by gguf-py."""
+    from gguf import GGUFReader
+
+    r = GGUFReader(str(path))
+    return sum(int(t.n_bytes) for t in r.tensors), sum(int(t.n_elements) for t in r.tensors)

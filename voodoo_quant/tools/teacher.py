@@ -1,0 +1,318 @@
+"""`voodoo make-teacher`: the base checkpoint and the llama.cpp-exact Q8_0 teacher.
+
+From an HF checkpoint dir (safetensors, sharded or not; read one tensor at a time, so the model
+is never held in float32) or from a GGUF file (loaded by transformers, see
+:mod:`voodoo_quant.modeling`; held once in float32) this writes
+
+- the base ``.pt``: the text model's state dict in ``dtype`` (bfloat16 default);
+- the teacher ``.pt``: every 2-D weight as llama-quantize would store it in a Q8_0 file —
+  Q8_0 blocks from libggml-base (kept packed: int8 ``qs`` + fp16 scale ``d`` per 32 weights;
+  ``d * qs`` in float32 is exactly ggml's ``dequantize_row_q8_0``), F16 for rows that are not a
+  multiple of 32 (llama-quantize's fallback, ``src/llama-quant.cpp``), F32 for 1-D tensors (norms
+  stay F32 in llama.cpp files).
+
+Both record the source's identity. ``degrid_seed`` de-grids a checkpoint whose float weights are
+a dequantized quantized file (see :func:`degrid`), before either output is made.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from .. import fileio
+from .. import qtypes as qt
+from ..errors import ConfigError, CorruptFileError
+from ..modeling import ModelLoadError, is_gguf, resolve_text_class, source_identity
+
+BASE_FORMAT = "voodoo-base/1"
+TEACHER_FORMAT = "voodoo-teacher/1"
+_DTYPES = ("bfloat16", "float32")
+DEGRID_BLOCK = 32
+
+
+@dataclass
+class MakeTeacherConfig:
+    model: str  # HF checkpoint dir or GGUF file
+    output_dir: Path
+    base_name: str | None = None  # default: <model>_lm_base.pt
+    teacher_name: str | None = None  # default: <model>_lm_teacher_q8_0.pt
+    strip_prefix: str | None = None  # e.g. "model.language_model." of a multimodal wrapper
+    text_model_class: str | None = None  # model_type or transformers class of the text model
+    dtype: str = "bfloat16"  # of the base checkpoint
+    degrid_seed: int | None = None
+    hf_out: Path | None = None  # also save the (de-gridded) float model as an HF dir
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        self.output_dir = Path(self.output_dir)
+        if self.hf_out is not None:
+            self.hf_out = Path(self.hf_out)
+        p = Path(self.model)
+        if not (p.is_dir() or is_gguf(p)):
+            raise ConfigError(f"--model {p} is neither an HF checkpoint dir nor a GGUF file")
+        if self.dtype not in _DTYPES:
+            raise ConfigError(f"--dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        if self.degrid_seed is not None and self.degrid_seed < 0:
+            raise ConfigError(f"--degrid_seed must be >= 0, got {self.degrid_seed}")
+        if is_gguf(p) and self.strip_prefix:
+            raise ConfigError("--strip_prefix applies to HF checkpoints, not GGUF files")
+        stem = re.sub(r"[^a-z0-9]+", "_", (p.stem if is_gguf(p) else p.resolve().name).lower()).strip("_")
+        self.base_name = self.base_name or f"{stem}_lm_base.pt"
+        self.teacher_name = self.teacher_name or f"{stem}_lm_teacher_q8_0.pt"
+
+
+@dataclass
+class TeacherResult:
+    base_path: Path
+    teacher_path: Path
+    hf_out: Path | None
+    tensors: int
+    q8_tensors: int
+
+
+# -- de-gridding -------------------------------------------------------------------------------
+
+def grid_step(w, block: int = DEGRID_BLOCK):
+    """Per block of `block` consecutive weights of a row: the smallest gap between its distinct
+    values (0 for a block with fewer than two distinct values). Shape ``[rows, cols // block]``."""
+    import torch
+
+    b = torch.sort(w.reshape(w.shape[0], -1, block), dim=-1).values
+    gaps = b[..., 1:] - b[..., :-1]
+    gaps = torch.where(gaps > 0, gaps, torch.full_like(gaps, float("inf")))
+    step = gaps.min(dim=-1).values
+    return torch.where(torch.isinf(step), torch.zeros_like(step), step)
+
+
+def degrid(name: str, w, seed: int):
+    """`w` (float32, 2-D) plus uniform noise in ±step/2 of its 32-weight block (FACTS.md trap 2).
+
+    A model whose float weights are a dequantized Q4_1 file lies on a grid that Q4_1/Q5_1
+    reproduce exactly; the noise (as large as the original rounding) hides it. Deterministic:
+    the generator is seeded from (seed, tensor name), independent of tensor order. Tensors that
+    are not 2-D or whose rows are not a multiple of 32 are returned unchanged.
+    """
+    import torch
+
+    if w.ndim != 2 or w.shape[1] % DEGRID_BLOCK:
+        return w
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+    step = grid_step(w).repeat_interleave(DEGRID_BLOCK, dim=1)
+    u = torch.rand(w.shape, generator=gen, dtype=torch.float32)
+    return w + (u - 0.5) * step
+
+
+# -- Q8_0 teacher tensors ----------------------------------------------------------------------
+
+_Q8_0_BLOCK = np.dtype([("d", "<f2"), ("qs", "i1", (32,))])  # block_q8_0, ggml-common.h
+
+
+def teacher_entry(name: str, w) -> dict[str, Any]:
+    """One tensor of the teacher, as llama-quantize would store it in a Q8_0 file."""
+    import torch
+
+    from .. import ggml
+
+    if w.ndim != 2:
+        return {"type": "F32", "data": w.to(torch.float32).contiguous()}
+    q = qt.resolve_for_row("Q8_0", int(w.shape[1]))
+    if q.name == "F16":
+        return {"type": "F16", "data": w.to(torch.float16).contiguous()}
+    rows, cols = w.shape
+    raw = ggml.lib().quantize(np.ascontiguousarray(w.to(torch.float32).numpy()), "Q8_0", name=name)
+    blocks = np.frombuffer(raw, dtype=_Q8_0_BLOCK).reshape(rows, cols // 32)
+    return {
+        "type": "Q8_0",
+        "d": torch.from_numpy(blocks["d"].copy()),
+        "qs": torch.from_numpy(blocks["qs"].reshape(rows, cols).copy()),
+    }
+
+
+def entry_to_float(entry: dict[str, Any]):
+    """float32 values of a teacher tensor; for Q8_0 exactly ggml's dequantize_row_q8_0."""
+    import torch
+
+    if entry["type"] == "Q8_0":
+        qs, d = entry["qs"], entry["d"]
+        rows, cols = qs.shape
+        w = qs.to(torch.float32).reshape(rows, cols // 32, 32) * d.to(torch.float32).unsqueeze(-1)
+        return w.reshape(rows, cols)
+    if entry["type"] in ("F16", "F32"):
+        return entry["data"].to(torch.float32)
+    raise CorruptFileError(f"unknown teacher tensor type {entry['type']!r}")
+
+
+def load_teacher(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(float32 state dict, header) of a teacher ``.pt`` written by :func:`make_teacher`."""
+    obj = fileio.torch_load(path, what="teacher checkpoint")
+    if not isinstance(obj, dict) or obj.get("format") != TEACHER_FORMAT:
+        raise CorruptFileError(f"{path} is not a voodoo teacher checkpoint ({TEACHER_FORMAT})")
+    sd = {k: entry_to_float(e) for k, e in obj["tensors"].items()}
+    return sd, {k: v for k, v in obj.items() if k != "tensors"}
+
+
+def load_base(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(state dict, header) of a base ``.pt`` written by :func:`make_teacher`."""
+    obj = fileio.torch_load(path, what="base checkpoint")
+    if not isinstance(obj, dict) or obj.get("format") != BASE_FORMAT:
+        raise CorruptFileError(f"{path} is not a voodoo base checkpoint ({BASE_FORMAT})")
+    return obj["state_dict"], {k: v for k, v in obj.items() if k != "state_dict"}
+
+
+# -- reading the source ------------------------------------------------------------------------
+
+def _safetensors_files(d: Path) -> list[Path]:
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{d} has no *.safetensors files")
+    return files
+
+
+def _expected_keys(cls, text_cfg) -> tuple[set[str], set[str]]:
+    """(state-dict keys of the text model, keys that are tied and may be absent)."""
+    import torch
+
+    with torch.device("meta"):
+        model = cls(text_cfg)
+    keys = set(model.state_dict())
+    tied = {k for k in keys if k.endswith("lm_head.weight")} if getattr(text_cfg, "tie_word_embeddings", False) else set()
+    return keys, tied
+
+
+def _map_key(key: str, expected: set[str], strip_prefix: str | None) -> str | None:
+    """The text model's name for a checkpoint key, or None when it is not part of it.
+
+    A wrapper's ``model.language_model.layers.0...`` stripped of its prefix is the text backbone's
+    ``layers.0...``, which the causal-LM class holds as ``model.layers.0...``.
+    """
+    if strip_prefix and key.startswith(strip_prefix):
+        rest = key[len(strip_prefix):]
+        for cand in (rest, f"model.{rest}"):
+            if cand in expected:
+                return cand
+        return None
+    return key if key in expected else None
+
+
+def iter_hf_dir(d: Path, cls, text_cfg, strip_prefix: str | None) -> Iterator[tuple[str, Any]]:
+    """(text-model name, float32 tensor) of an HF dir, one tensor in memory at a time."""
+    import torch
+    from safetensors import safe_open
+
+    expected, tied = _expected_keys(cls, text_cfg)
+    seen: set[str] = set()
+    for f in _safetensors_files(d):
+        with safe_open(str(f), framework="pt") as st:
+            for key in st.keys():
+                name = _map_key(key, expected, strip_prefix)
+                if name is None or name in tied:
+                    continue
+                seen.add(name)
+                yield name, st.get_tensor(key).to(torch.float32)
+    missing = sorted(expected - seen - tied)
+    if missing:
+        hint = "" if strip_prefix else "; a multimodal wrapper needs --strip_prefix (e.g. model.language_model.)"
+        raise ModelLoadError(f"{d}: {len(missing)} tensor(s) of {cls.__name__} not found, e.g. {missing[:3]}{hint}")
+
+
+def text_state_dict(d: Path, cls, text_cfg, *, strip_prefix: str | None, dtype: Any) -> dict[str, Any]:
+    return {k: v.to(dtype) for k, v in iter_hf_dir(d, cls, text_cfg, strip_prefix)}
+
+
+# -- the command -------------------------------------------------------------------------------
+
+def make_teacher(cfg: MakeTeacherConfig) -> TeacherResult:
+    import torch
+    from rich.progress import Progress
+
+    from .. import ggml
+    from ..modeling import load_config, load_model, load_tokenizer
+
+    src = Path(cfg.model)
+    identity = source_identity(src).to_dict()
+    base_dtype = getattr(torch, cfg.dtype)
+    model = None
+    if is_gguf(src):
+        model = load_model(src, dtype=torch.float32)
+        text_cfg, cls = model.config, type(model)
+        tied = {k for k in model.state_dict() if k.endswith("lm_head.weight")} if text_cfg.tie_word_embeddings else set()
+        items = [(k, v) for k, v in model.state_dict().items() if k not in tied]
+        total = len(items)
+        tensors: Iterator = iter(items)
+    else:
+        cls, text_cfg = resolve_text_class(load_config(src), cfg.text_model_class)
+        total = len(_expected_keys(cls, text_cfg)[0])
+        tensors = iter_hf_dir(src, cls, text_cfg, cfg.strip_prefix)
+
+    base_sd: dict[str, Any] = {}
+    teacher: dict[str, Any] = {}
+    hf_sd: dict[str, Any] = {}
+    with Progress(disable=not cfg.progress, transient=True) as bar:
+        task = bar.add_task("teacher (Q8_0)", total=total)
+        for name, w in tensors:
+            if cfg.degrid_seed is not None:
+                w = degrid(name, w, cfg.degrid_seed)
+            base_sd[name] = w.to(base_dtype).contiguous()
+            teacher[name] = teacher_entry(name, w)
+            if cfg.hf_out is not None:
+                hf_sd[name] = w
+            bar.advance(task)
+
+    header = {
+        "source": identity,
+        "model_class": cls.__name__,
+        "config_json": text_cfg.to_json_string(),
+        "strip_prefix": cfg.strip_prefix,
+        "text_model_class": cfg.text_model_class,
+        "degrid_seed": cfg.degrid_seed,
+    }
+    base_path = fileio.torch_save(cfg.output_dir / cfg.base_name,
+                                  {"format": BASE_FORMAT, **header, "dtype": cfg.dtype, "state_dict": base_sd})
+    del base_sd
+    teacher_path = fileio.torch_save(
+        cfg.output_dir / cfg.teacher_name,
+        {"format": TEACHER_FORMAT, **header, "quant": "Q8_0", "ggml_version": ggml.lib().version, "tensors": teacher},
+    )
+    n_q8 = sum(1 for e in teacher.values() if e["type"] == "Q8_0")
+    if cfg.hf_out is not None:
+        if model is None:
+            from ..modeling import model_from_state_dict
+
+            model = model_from_state_dict(cls, text_cfg, hf_sd, dtype=torch.float32)
+        else:
+            model.load_state_dict(hf_sd, strict=False)
+        save_hf_dir(model, load_tokenizer(src), cfg.hf_out)
+    return TeacherResult(base_path, teacher_path, cfg.hf_out, len(teacher), n_q8)
+
+
+def save_hf_dir(model, tokenizer, out: Path) -> Path:
+    """save_pretrained into a temp dir beside `out`, then rename it into place (no partial dir).
+
+    transformers 5 refuses to save a model loaded from GGUF unless its quantizer is dropped and
+    ``quantization_config`` removed from the config (FACTS.md).
+    """
+    out = Path(out)
+    if out.exists():
+        raise fileio.OutputExistsError(f"--hf_out {out} exists; remove it or choose another dir")
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

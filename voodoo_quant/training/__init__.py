@@ -1,0 +1,1 @@
+"""Gate training: config, trainer, journal, bake."""

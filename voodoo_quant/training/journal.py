@@ -1,0 +1,76 @@
+"""The training journal (``partial.pt``): everything needed to resume a run bit-for-bit.
+
+Written atomically every ``--partial_save_interval`` steps: gate logits, optimizer state, the
+torch RNG state, the step (which is also the data position: batch order is a pure function of
+the seed and the step) and the hash of the result-determining config. A journal written by a
+different config is refused, never silently mixed in.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import fileio
+from ..errors import ConfigError, CorruptFileError
+
+JOURNAL_NAME = "partial.pt"
+JOURNAL_VERSION = 1
+
+
+class JournalMismatchError(ConfigError):
+    pass
+
+
+@dataclass
+class JournalState:
+    step: int  # steps completed
+    gates: dict[str, torch.Tensor]
+    optimizer: dict[str, Any]
+    rng: torch.Tensor
+    config_hash: str
+    config: dict[str, Any]
+
+
+def save(path: Path, state: JournalState) -> None:
+    fileio.torch_save(
+        path,
+        {
+            "journal_version": JOURNAL_VERSION,
+            "step": state.step,
+            "gates": {k: v.detach().cpu().clone() for k, v in state.gates.items()},
+            "optimizer": state.optimizer,
+            "rng": state.rng,
+            "config_hash": state.config_hash,
+            "config_json": json.dumps(state.config, sort_keys=True),
+        },
+    )
+
+
+def load(path: Path, *, expect_hash: str, expect_names: set[str]) -> JournalState:
+    d = fileio.torch_load(path, what="journal")
+    try:
+        if d.get("journal_version") != JOURNAL_VERSION:
+            raise CorruptFileError(f"journal {path}: unsupported version {d.get('journal_version')!r}")
+        state = JournalState(
+            step=int(d["step"]),
+            gates=dict(d["gates"]),
+            optimizer=d["optimizer"],
+            rng=d["rng"],
+            config_hash=str(d["config_hash"]),
+            config=json.loads(d["config_json"]),
+        )
+    except (KeyError, TypeError, AttributeError, ValueError) as e:
+        raise CorruptFileError(f"journal {path} is malformed: {type(e).__name__}: {e}") from None
+    if state.config_hash != expect_hash:
+        raise JournalMismatchError(
+            f"journal {path} was written by a different configuration (hash {state.config_hash} != {expect_hash}); "
+            "rerun with the same flags, pass --no_resume to start over, or use another --output_dir"
+        )
+    if set(state.gates) != expect_names:
+        raise CorruptFileError(f"journal {path} holds gates for other tensors than this model's")
+    return state

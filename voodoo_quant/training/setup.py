@@ -1,0 +1,183 @@
+"""Everything a run needs before its first step: data, models, imatrix, plans, budget, gates."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from .. import envs, fileio, ggml
+from ..arch import adapter_for
+from ..arch.base import ArchAdapter
+from ..budget import Budget, make_budget
+from ..errors import ConfigError, CorruptFileError
+from ..layers import MixedQuant
+from ..student import TensorPlan, attach_all, build_mixed, candidate_bytes, plan_model, prior_logits, selectable_weights
+from .config import TrainConfig
+
+log = logging.getLogger(__name__)
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_tokens(path: Path, seq_len: int) -> torch.Tensor:
+    """A [N, seq_len] int64 tensor from a tokens file written by ``voodoo data``."""
+    obj = fileio.torch_load(path, what="tokens file")
+    if isinstance(obj, dict):
+        for key in ("input_ids", "tokens"):
+            if key in obj:
+                obj = obj[key]
+                break
+    if not isinstance(obj, torch.Tensor) or obj.dim() != 2 or obj.dtype not in (torch.int64, torch.int32):
+        raise CorruptFileError(f"tokens file {path} does not hold a 2-D integer tensor of sequences")
+    if obj.shape[0] == 0:
+        raise CorruptFileError(f"tokens file {path} holds no sequences")
+    if obj.shape[1] < seq_len:
+        raise ConfigError(
+            f"--seq_len {seq_len} is longer than the sequences in {path} ({obj.shape[1]} tokens); "
+            f"rerun `voodoo data --seq_len {seq_len}` or lower --seq_len"
+        )
+    return obj[:, :seq_len].to(torch.int64).contiguous()
+
+
+def tiny(cfg: TrainConfig) -> TrainConfig:
+    """VOODOO_TINY_RECIPE=1: at most 4 steps, for tests and smoke runs."""
+    if envs.tiny_recipe():
+        cfg.max_steps = min(cfg.max_steps, 4)
+    return cfg
+
+
+def load_models(cfg: TrainConfig, dtype: torch.dtype) -> tuple[nn.Module, nn.Module]:
+    """(student base, frozen teacher), both in eval mode on the CPU."""
+    from ..modeling import load_model
+
+    base = load_model(cfg.model, text_model_class=cfg.text_model_class, dtype=torch.float32)
+    if cfg.base_checkpoint:
+        _load_into(base, cfg.base_checkpoint, "base checkpoint")
+    teacher = copy.deepcopy(base)
+    if cfg.teacher_checkpoint:
+        _load_into(teacher, cfg.teacher_checkpoint, "teacher checkpoint")
+    elif cfg.teacher_quant == "Q8_0":
+        _quantize_teacher_q8(teacher)
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    for p in base.parameters():
+        p.requires_grad_(False)
+    return base.eval(), teacher.to(dtype).eval()
+
+
+def _load_into(model: nn.Module, path: str, what: str) -> None:
+    obj = fileio.torch_load(path, what=what)
+    sd = obj.get("state_dict", obj) if isinstance(obj, dict) else obj
+    if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+        raise CorruptFileError(f"{what} {path} is not a state dict of tensors")
+    own = model.state_dict()
+    missing = [k for k in own if k not in sd and not k.endswith("lm_head.weight")]
+    unexpected = [k for k in sd if k not in own]
+    if missing or unexpected:
+        raise CorruptFileError(f"{what} {path} does not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    for k, v in sd.items():
+        if tuple(v.shape) != tuple(own[k].shape):
+            raise CorruptFileError(f"{what} {path}: {k} has shape {tuple(v.shape)}, model has {tuple(own[k].shape)}")
+    model.load_state_dict({k: v.to(own[k].dtype) for k, v in sd.items()}, strict=False)
+
+
+def _quantize_teacher_q8(model: nn.Module) -> None:
+    """Replace every selectable weight by its llama.cpp-exact Q8_0 round trip (fallback applied)."""
+    from .. import qtypes as qt
+
+    lib = ggml.lib()
+    for name, (w, _) in selectable_weights(model).items():
+        m = np.ascontiguousarray(w.detach().float().reshape(-1, w.shape[-1]).numpy())
+        q = qt.resolve_for_row("Q8_0", m.shape[1])
+        deq = lib.dequantize(lib.quantize(m, q, name=name), q, m.shape, name=name)
+        with torch.no_grad():
+            w.copy_(torch.from_numpy(deq).reshape(w.shape).to(w.dtype))
+
+
+def load_imatrix(cfg: TrainConfig):
+    if not cfg.imatrix:
+        return None
+    from .. import imatrix as im
+
+    return im.load(cfg.imatrix)
+
+
+def imatrix_vectors(imx, plans_or_layouts) -> dict[str, np.ndarray]:
+    """GGUF name -> the quantizer's vector, for every planned tensor the imatrix covers."""
+    if imx is None:
+        return {}
+    out = {}
+    for p in plans_or_layouts:
+        if p.gguf_name is not None:
+            v = imx.get_vector(p.gguf_name, p.n_per_row)
+            if v is not None:
+                out[p.gguf_name] = v
+    return out
+
+
+@dataclass
+class RunSetup:
+    cfg: TrainConfig
+    adapter: ArchAdapter
+    student: nn.Module
+    teacher: nn.Module
+    tokens: torch.Tensor
+    plans: list[TensorPlan]
+    budget: Budget
+    mixed: dict[str, MixedQuant]
+    imatrix_info: dict
+    device: torch.device
+    dtype: torch.dtype
+
+
+def plan_run(cfg: TrainConfig, model: nn.Module, imx=None) -> tuple[ArchAdapter, list[TensorPlan], Budget]:
+    adapter = adapter_for(getattr(model, "config", None))
+    layout_for = _layout_provider(cfg, adapter)
+    names = set(imx.entries) if imx is not None else None
+    plans = plan_model(model, adapter, cfg.menus, imatrix_names=names, layout_for=layout_for)
+    budget = make_budget(
+        plans,
+        compression_ratio=cfg.compression_ratio,
+        target_bits=cfg.target_bits,
+        budget_reduction=cfg.budget_reduction,
+        tolerance=cfg.size_tolerance,
+    )
+    return adapter, plans, budget
+
+
+def _layout_provider(cfg: TrainConfig, adapter: ArchAdapter):
+    """The converter-derived layout map when the adapter offers one, else identity rows."""
+    provider = getattr(adapter, "layout_provider", None)
+    return provider(cfg.model) if callable(provider) else None
+
+
+def build_student(
+    cfg: TrainConfig, base: nn.Module, plans: list[TensorPlan], budget: Budget, vectors: dict[str, np.ndarray],
+    device: torch.device, dtype: torch.dtype, quantize=None,
+) -> dict[str, MixedQuant]:
+    """Quantize every candidate (through the cache), attach the gates; returns them by name."""
+    from ..cache import CandidateCache
+
+    cache = CandidateCache()
+    q = quantize or (lambda m, t, v, n: cache.get_or_build(m, t, v, name=n))
+    weights = selectable_weights(base)
+    # Candidates are quantized from the float32 weights before anything is cast.
+    blobs = {plan.name: candidate_bytes(plan, weights[plan.name][0], vectors, q) for plan in plans}
+    del weights
+    base.to(device=device, dtype=dtype)
+    target_bpw = budget.bpw(budget.train_target_bytes)
+    mixed = {
+        plan.name: build_mixed(
+            plan, blobs.pop(plan.name), lazy=cfg.lazy, dtype=dtype, device=device,
+            init_logits=prior_logits(plan, target_bpw),
+        )
+        for plan in plans
+    }
+    attach_all(base, plans, mixed)
+    return mixed

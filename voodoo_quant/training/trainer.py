@@ -1,0 +1,275 @@
+"""``voodoo train``: distil the gates under a dead-zone size budget, then bake.
+
+    loss = CE(student) + λ · KL(teacher ‖ student) + size_weight · dead_zone(E[size] / target − 1)²
+
+Only the gate logits train (Adam, ``--lr``); τ anneals geometrically from ``--tau_start`` to
+``--tau_end``; every ``--partial_save_interval`` steps the journal is written, and rerunning the
+same command resumes from it. After the last step the gates are baked (``bake.py``) and the
+outputs are written atomically to ``--output_dir``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.nn.utils import parametrize
+
+from .. import fileio
+from ..assignment import Assignment, TensorChoice
+from ..budget import size_penalty
+from ..errors import ConfigError
+from . import journal
+from .bake import BakeResult, bake
+from .config import TrainConfig
+from .schedule import batch_indices, tau_at
+from .setup import (
+    TORCH_DTYPES, RunSetup, build_student, imatrix_vectors, load_imatrix, load_models, load_tokens, plan_run, tiny,
+)
+
+log = logging.getLogger(__name__)
+LOG_NAME = "train_log.jsonl"
+
+
+@dataclass
+class StepMetrics:
+    step: int
+    loss: float
+    ce: float
+    kl: float
+    size_penalty: float
+    expected_bytes: float
+    target_bytes: int
+    tau: float
+    gate_entropy: float
+    tokens_per_s: float
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class TrainResult:
+    assignment: Assignment
+    bake: BakeResult
+    output_pt: Path
+    assignment_json: Path
+    tensor_types: Path
+    history: list[StepMetrics] = field(default_factory=list)
+    resumed_from: int = 0
+
+
+def resolve_device(spec: str) -> torch.device:
+    from ..hardware import resolve_device as _resolve
+
+    return _resolve(spec)
+
+
+def check_scale_flags(cfg: TrainConfig) -> None:
+    if cfg.tensor_parallel > 1:
+        raise ConfigError(
+            f"--tensor_parallel {cfg.tensor_parallel} needs `voodoo tp --nproc {cfg.tensor_parallel} -- ...` "
+            "(torchrun); tensor parallelism is not built in this version"
+        )
+    if cfg.device_map:
+        raise ConfigError("--device_map (layer-wise placement) is not built in this version; use --device")
+
+
+def distill_losses(s_logits: torch.Tensor, t_logits: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(CE on next tokens, KL(teacher‖student) per token), both means over predicted positions."""
+    s = s_logits[:, :-1].float().reshape(-1, s_logits.shape[-1])
+    t = t_logits[:, :-1].float().reshape(-1, t_logits.shape[-1])
+    ce = F.cross_entropy(s, ids[:, 1:].reshape(-1))
+    s_log = F.log_softmax(s, dim=-1)
+    t_log = F.log_softmax(t, dim=-1)
+    kl = (t_log.exp() * (t_log - s_log)).sum(-1).mean()
+    return ce, kl
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, *, on_step: Callable[[StepMetrics], None] | None = None):
+        self.cfg = tiny(cfg)
+        self.on_step = on_step
+        self.run: RunSetup | None = None
+
+    # -- setup -------------------------------------------------------------------------------
+    def prepare(self, *, build: bool = True) -> RunSetup:
+        cfg = self.cfg
+        check_scale_flags(cfg)
+        device = resolve_device(cfg.device)
+        dtype = TORCH_DTYPES[cfg.dtype]
+        tokens = load_tokens(cfg.data_path, cfg.seq_len) if build else torch.empty(0, 0, dtype=torch.long)
+        base, teacher = load_models(cfg, dtype)
+        imx = load_imatrix(cfg)
+        adapter, plans, budget = plan_run(cfg, base, imx)
+        vectors = imatrix_vectors(imx, plans)
+        mixed = {}
+        if build:
+            mixed = build_student(cfg, base, plans, budget, vectors, device, dtype)
+            teacher.to(device)
+            if cfg.gradient_checkpointing and hasattr(base, "gradient_checkpointing_enable"):
+                base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                base.train()  # HF only checkpoints in training mode; the models have no dropout left active
+                _disable_dropout(base)
+        info = {"path": cfg.imatrix, "sha256": getattr(imx, "sha256", None), "covered": len(vectors)}
+        self.run = RunSetup(cfg, adapter, base, teacher, tokens, plans, budget, mixed, info, device, dtype)
+        return self.run
+
+    # -- training loop -----------------------------------------------------------------------
+    def train(self) -> TrainResult:
+        run = self.run or self.prepare()
+        cfg = run.cfg
+        out_dir = cfg.out_dir
+        _check_writable(out_dir)
+        gates = [m.gates for m in run.mixed.values()]
+        opt = torch.optim.Adam(gates, lr=cfg.lr)
+        torch.manual_seed(cfg.seed)
+        start = 0
+        jpath = out_dir / journal.JOURNAL_NAME
+        names = set(run.mixed)
+        if jpath.exists() and cfg.resume:
+            st = journal.load(jpath, expect_hash=cfg.result_hash(), expect_names=names)
+            with torch.no_grad():
+                for n, g in st.gates.items():
+                    run.mixed[n].gates.copy_(g)
+            opt.load_state_dict(st.optimizer)
+            torch.set_rng_state(st.rng)
+            start = st.step
+            log.info("resuming from %s at step %d", jpath, start)
+        history = _read_log(out_dir / LOG_NAME, start)
+        for step in range(start, cfg.max_steps):
+            m = self._step(run, opt, step)
+            history.append(m)
+            _append_log(out_dir / LOG_NAME, m, truncate=(step == start))
+            if self.on_step:
+                self.on_step(m)
+            done = step + 1
+            if done % cfg.partial_save_interval == 0 or done == cfg.max_steps:
+                journal.save(
+                    jpath,
+                    journal.JournalState(
+                        done, {n: mq.gates for n, mq in run.mixed.items()}, opt.state_dict(),
+                        torch.get_rng_state(), cfg.result_hash(), cfg.to_dict(),
+                    ),
+                )
+        return self.finish(history, resumed_from=start)
+
+    def _step(self, run: RunSetup, opt: torch.optim.Optimizer, step: int) -> StepMetrics:
+        cfg = run.cfg
+        t0 = time.perf_counter()
+        tau = tau_at(step, cfg.max_steps, cfg.tau_start, cfg.tau_end)
+        for mq in run.mixed.values():
+            mq.tau = tau
+        ids = run.tokens[batch_indices(step, cfg.batch_size, run.tokens.shape[0], cfg.seed)].to(run.device)
+        with torch.no_grad():
+            t_logits = run.teacher(input_ids=ids).logits
+        opt.zero_grad(set_to_none=True)
+        with parametrize.cached():
+            s_logits = run.student(input_ids=ids).logits
+        ce, kl = distill_losses(s_logits, t_logits, ids)
+        expected = sum(mq.expected_bytes() for mq in run.mixed.values())
+        pen = size_penalty(expected, run.budget.train_target_bytes, cfg.size_tolerance, cfg.size_weight)
+        loss = ce + cfg.distill_weight * kl + pen.to(ce.dtype)
+        loss.backward()
+        opt.step()
+        with torch.no_grad():
+            ent = torch.stack([mq.entropy() for mq in run.mixed.values()]).mean()
+        dt = time.perf_counter() - t0
+        return StepMetrics(
+            step=step + 1, loss=float(loss), ce=float(ce), kl=float(kl), size_penalty=float(pen),
+            expected_bytes=float(expected), target_bytes=run.budget.train_target_bytes, tau=tau,
+            gate_entropy=float(ent), tokens_per_s=ids.numel() / dt,
+        )
+
+    # -- bake and outputs --------------------------------------------------------------------
+    def finish(self, history: list[StepMetrics], *, resumed_from: int = 0) -> TrainResult:
+        run = self.run
+        assert run is not None
+        cfg = run.cfg
+        with torch.no_grad():
+            probs = {n: mq.probs().detach().cpu() for n, mq in run.mixed.items()}
+        res = bake(run.plans, probs, run.budget, cfg.upgrades)
+        tensors = {}
+        for p in run.plans:
+            k = res.choice[p.name]
+            tensors[p.name] = TensorChoice(
+                name=p.name, qtype=p.menu.types[k], shape=p.shape, nbytes=p.sizes[k], gguf_name=p.gguf_name,
+                confidence=round(float(probs[p.name][k]), 6), menu=p.menu.types,
+            )
+        final = history[-1].to_dict() if history else {}
+        asg = Assignment(
+            tensors=tensors, model=str(cfg.model), imatrix=cfg.imatrix, imatrix_sha256=run.imatrix_info.get("sha256"),
+            target_bytes=run.budget.target_bytes,
+            meta={
+                "q8_0_bytes": run.budget.q8_bytes, "min_bytes": run.budget.min_bytes, "max_bytes": run.budget.max_bytes,
+                "train_target_bytes": run.budget.train_target_bytes, "tolerance": run.budget.tolerance,
+                "compression_ratio": cfg.compression_ratio, "target_bits": cfg.target_bits,
+                "upgraded": res.upgraded, "repaired": res.repaired, "final_step": final,
+            },
+        )
+        out = cfg.out_dir
+        asg_path = asg.save(out / "assignment.json")
+        tt_path = asg.save_tensor_types(out / "tensor-types.txt") if all(t.gguf_name for t in tensors.values()) else out / "tensor-types.txt"
+        pt_path = fileio.torch_save(
+            out / cfg.output_name,
+            {
+                "assignment_json": json.dumps(asg.to_dict()),
+                "gates": {n: mq.gates.detach().cpu().clone() for n, mq in run.mixed.items()},
+                "config_json": json.dumps(cfg.to_dict()),
+                "model": str(cfg.model),
+                "metrics_json": json.dumps({"final": final, "baked_bytes": res.total_bytes, "target_bytes": run.budget.target_bytes}),
+            },
+        )
+        return TrainResult(asg, res, pt_path, asg_path, tt_path, history, resumed_from)
+
+
+def _disable_dropout(model) -> None:
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+
+
+def _check_writable(out_dir: Path) -> None:
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe = out_dir / ".write-probe"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"--output_dir {out_dir} is not writable: {e.strerror or e}") from None
+
+
+def _read_log(path: Path, upto: int) -> list[StepMetrics]:
+    if upto == 0 or not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            d = json.loads(line)
+        except json.JSONDecodeError:
+            break
+        if d.get("step", 0) <= upto:
+            out.append(StepMetrics(**d))
+    return out
+
+
+def _append_log(path: Path, m: StepMetrics, *, truncate: bool) -> None:
+    # On the first step of a (resumed) run, drop log lines past the journal's step.
+    if truncate and path.exists():
+        keep = [ln for ln in path.read_text().splitlines() if _step_of(ln) < m.step]
+        fileio.write_text(path, "".join(k + "\n" for k in keep))
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(m.to_dict()) + "\n")
+
+
+def _step_of(line: str) -> int:
+    try:
+        return int(json.loads(line).get("step", 1 << 30))
+    except (json.JSONDecodeError, AttributeError):
+        return 1 << 30
