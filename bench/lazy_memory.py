@@ -3,8 +3,9 @@
 For one matrix and a menu, prints the bytes of the full candidate set kept packed (what --lazy
 holds: the quantized bytes, as PackedTensors) against the same candidates held dequantized in
 float32 and in bf16; then, per type, the torch kernel's dequantization time relative to ggml's
-``to_float`` on the same bytes (one timed run each after one warm-up, side by side; ratio > 1
-means torch is slower). Bytes are random valid blocks (the cost of decoding does not depend on
+``to_float`` on the same bytes (side by side in one run: best of ``--repeat`` timings each,
+after one warm-up, since a shared machine makes single timings noisy; ratio > 1 means torch is
+slower). Bytes are random valid blocks (the cost of decoding does not depend on
 the values), so no IQ quantizer initialization is needed. Every torch result is checked equal
 to ggml's before it is timed.
 
@@ -33,6 +34,17 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _best(repeat: int, fn, device: torch.device) -> float:
+    best = float("inf")
+    for _ in range(max(1, repeat)):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, default=2048)
@@ -40,9 +52,13 @@ def main() -> None:
     ap.add_argument("--menu", default=",".join(MENU), help="comma-separated type names")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch CPU threads (1 = like ggml's single-threaded to_float)")
+    ap.add_argument("--repeat", type=int, default=3, help="timings per kernel; the best is kept")
     args = ap.parse_args()
 
     device = torch.device(args.device)
+    torch.set_num_threads(max(1, args.threads))
     shape = (args.rows, args.cols)
     menu = [qt.resolve_for_row(t, args.cols).name for t in args.menu.split(",")]
     menu = list(dict.fromkeys(menu))  # fallbacks may collapse duplicates, as in a real menu
@@ -60,17 +76,10 @@ def main() -> None:
         p = PackedTensor.from_bytes(data, q, shape, device=device)
         packed_total += p.nbytes
 
-        lib.dequantize(data, q, shape)  # warm-up (page faults, allocator)
-        t0 = time.perf_counter()
-        ref = lib.dequantize(data, q, shape)
-        t_ggml = time.perf_counter() - t0
-
-        out = p.dequantize()  # warm-up: table upload, kernel compilation on GPU
-        _sync(device)
-        t0 = time.perf_counter()
-        out = p.dequantize()
-        _sync(device)
-        t_torch = time.perf_counter() - t0
+        ref = lib.dequantize(data, q, shape)  # warm-up (page faults, allocator)
+        t_ggml = _best(args.repeat, lambda: lib.dequantize(data, q, shape), device)
+        out = p.dequantize()  # warm-up: table upload, kernel load on GPU
+        t_torch = _best(args.repeat, p.dequantize, device)
         if not torch.equal(out.cpu().view(torch.int32), torch.from_numpy(ref).view(torch.int32)):
             raise SystemExit(f"{name}: torch kernel differs from ggml to_float")
         print(f"{name:8} {p.nbytes / 2**20:11.2f} {p.nbytes * 8 / n:6.3f} {t_ggml * 1e3:9.1f} "

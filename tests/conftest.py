@@ -149,3 +149,52 @@ def shakespeare_text_file(tmp_path_factory):
     out = tmp_path_factory.mktemp("text") / "macbeth.txt"
     out.write_text(play.read_text(encoding="utf-8")[:40_000], encoding="utf-8")
     return out
+
+
+# -- gates / trainer fixtures (issues 3 and 4) ------------------------------------------------
+
+@pytest.fixture(scope="session")
+def gate_model_dir(tmp_path_factory):
+    """A tiny random Llama with 256-wide rows (so K-quants apply), tied embeddings, no tokenizer,
+    plus a tokens file of random sequences: enough for the trainer, which needs no text."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                      max_position_embeddings=128, tie_word_embeddings=True,
+                      initializer_range=0.08)  # peaky logits: quantization error shows in the KL
+    d = tmp_path_factory.mktemp("gate_model")
+    LlamaForCausalLM(cfg).save_pretrained(d / "model")
+    (d / "data").mkdir()
+    g = torch.Generator().manual_seed(1)
+    torch.save(torch.randint(0, 512, (12, 48), generator=g), d / "data" / "train_tokens.pt")
+    return d
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_f32_gguf(tmp_path_factory, tiny_llama_hf_dir):
+    """tiny_llama_hf_dir converted by llama.cpp's own convert_hf_to_gguf.py to an F32 GGUF."""
+    import subprocess
+    import sys
+
+    from voodoo_quant import paths
+
+    out = tmp_path_factory.mktemp("tiny_gguf") / "tiny-llama-f32.gguf"
+    p = subprocess.run([sys.executable, str(paths.convert_script()), str(tiny_llama_hf_dir), "--outtype", "f32",
+                        "--outfile", str(out)], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return out
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_candidate_cache(tmp_path_factory):
+    """Tests never write into the user's cache: candidates go under a session temp dir."""
+    old = os.environ.get("VOODOO_CACHE_DIR")
+    os.environ["VOODOO_CACHE_DIR"] = str(tmp_path_factory.mktemp("voodoo_cache"))
+    yield
+    if old is None:
+        os.environ.pop("VOODOO_CACHE_DIR", None)
+    else:
+        os.environ["VOODOO_CACHE_DIR"] = old

@@ -41,7 +41,8 @@ def _assert_bit_exact(ggml_out: np.ndarray, ours: torch.Tensor, what: str) -> No
     if not torch.equal(ref_bits, our_bits):
         bad = (ref_bits != our_bits).reshape(-1)
         i = int(bad.nonzero()[0])
-        worst = int((ref.reshape(-1) - ours.reshape(-1)).abs().nan_to_num(float("inf")).argmax())
+        diff = (ref.reshape(-1) - ours.reshape(-1)).abs().nan_to_num(float("inf"))
+        worst = int(torch.where(bad, diff, torch.tensor(-1.0)).argmax())  # among the differing ones
         pytest.fail(
             f"{what}: {int(bad.sum())} of {bad.numel()} values differ; first at flat index {i}: "
             f"ggml {ref.reshape(-1)[i].item()!r} vs torch {ours.reshape(-1)[i].item()!r}; "

@@ -24,17 +24,21 @@ from torch.nn.utils import parametrize
 CandidateFn = Callable[[int], torch.Tensor]
 
 
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
 class _Mix(torch.autograd.Function):
     """W = Σ_k p_k W_k with dL/dp_k = <dL/dW, W_k>; W_k produced on demand by `get`."""
 
     @staticmethod
     def forward(ctx, p: torch.Tensor, get: CandidateFn, k_count: int, dtype: torch.dtype) -> torch.Tensor:  # type: ignore[override]
+        acc = _acc_dtype(dtype)  # accumulate in at least float32
         out = None
         for k in range(k_count):
-            wk = get(k)
-            # Accumulate in the candidate dtype, weights applied in float32 for stability.
-            term = wk.to(torch.float32) * p[k].to(torch.float32)
+            term = get(k).to(acc) * p[k].to(acc)
             out = term if out is None else out.add_(term)
+        ctx.acc = acc
         ctx.get = get
         ctx.k_count = k_count
         ctx.save_for_backward(p)
@@ -43,8 +47,8 @@ class _Mix(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_w: torch.Tensor):  # type: ignore[override]
         (p,) = ctx.saved_tensors
-        g = grad_w.to(torch.float32)
-        grads = torch.stack([(g * ctx.get(k).to(torch.float32)).sum() for k in range(ctx.k_count)])
+        g = grad_w.to(ctx.acc)
+        grads = torch.stack([(g * ctx.get(k).to(ctx.acc)).sum() for k in range(ctx.k_count)])
         return grads.to(p.dtype), None, None, None
 
 
@@ -97,7 +101,7 @@ class MixedQuant(nn.Module):
         return len(self.menu)
 
     def probs(self) -> torch.Tensor:
-        return torch.softmax(self.gates.float() / self.tau, dim=0)
+        return torch.softmax(self.gates.to(_acc_dtype(self.gates.dtype)) / self.tau, dim=0)
 
     def argmax(self) -> int:
         return int(torch.argmax(self.gates.detach()).item())

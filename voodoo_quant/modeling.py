@@ -131,10 +131,15 @@ def load_model(source: str | os.PathLike, *, text_model_class: str | None = None
 
 
 def model_from_state_dict(cls, config, state_dict: dict, *, dtype: Any = None):
-    """Build `cls(config)` without allocating random weights, then load `state_dict`."""
-    import torch
+    """Build `cls(config)` without random initialization, then take `state_dict`'s tensors.
 
-    with torch.device("meta"):
+    Built on the CPU (not the meta device) so that non-persistent buffers such as rotary
+    ``inv_freq`` are computed by the model itself; ``assign=True`` then swaps the parameters for
+    the given tensors instead of copying into them.
+    """
+    from transformers.initialization import no_init_weights
+
+    with no_init_weights():
         model = cls(config)
     missing, unexpected = model.load_state_dict(state_dict, strict=False, assign=True)
     tied = set(_tied_keys(model))
@@ -147,8 +152,6 @@ def model_from_state_dict(cls, config, state_dict: dict, *, dtype: Any = None):
         model.tie_weights()
     if dtype is not None:
         model = model.to(dtype)
-    # Buffers (rotary inv_freq, ...) are not in the state dict: recompute them off the meta device.
-    _materialize_buffers(model)
     return model.eval()
 
 
@@ -156,21 +159,6 @@ def _tied_keys(model) -> list[str]:
     if not getattr(model.config, "tie_word_embeddings", False):
         return []
     return [k for k in model.state_dict() if k.endswith("lm_head.weight")]
-
-
-def _materialize_buffers(model) -> None:
-    import torch
-
-    for mod in model.modules():
-        for name, buf in list(mod.named_buffers(recurse=False)):
-            if buf is not None and buf.is_meta:
-                if hasattr(mod, "rope_init_fn") and name == "inv_freq":
-                    inv_freq, _ = mod.rope_init_fn(mod.config, torch.device("cpu"))
-                    mod.register_buffer(name, inv_freq, persistent=False)
-                    if hasattr(mod, "original_inv_freq"):
-                        mod.original_inv_freq = inv_freq
-                else:
-                    raise ModelLoadError(f"buffer {name} of {type(mod).__name__} cannot be materialized")
 
 
 @dataclass(frozen=True)

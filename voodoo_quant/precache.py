@@ -140,7 +140,7 @@ def build_all(
 
     Already-cached jobs are skipped up front; the rest run slowest first (type cost × size) on
     one pool of `workers` processes (default ``VOODOO_QUANT_WORKERS``). With one worker and no
-    pool the jobs run in this process (threads over rows, as ``ggml.quantize`` does)."""
+    pool the jobs run in this process, on one thread."""
     t_start = time.perf_counter()
     seen: set[tuple[str, str]] = set()
     for j in jobs:
@@ -175,7 +175,7 @@ def build_all(
     with _Progress(progress, todo, cached) as bar:
         if todo and n_workers == 1 and pool is None:
             for _cost, name, j, k in todo:
-                data = cache.get_or_build(j.load(), j.qtype, j.imatrix, name=name, key=k)
+                data = cache.get_or_build(j.load(), j.qtype, j.imatrix, name=name, key=k, workers=1)
                 bytes_built += len(data)
                 bar.advance(_cost, len(data))
         elif todo:

@@ -1,16 +1,38 @@
-"""`voodoo export`: not built yet in this version."""
+"""`voodoo export`: flags → ExportConfig → voodoo_quant.tools.export.export."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Optional
+
 import typer
 
-from ..errors import NotBuiltYetError
-from .common import report_errors
+from .common import console, report_errors
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("export", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+    @app.command("export")
     @report_errors
-    def _cmd() -> None:
-        """Not built yet in this version."""
-        raise NotBuiltYetError("`voodoo export` is not built yet in this version")
+    def _cmd(
+        model: Path = typer.Option(..., "--model", help="HF checkpoint dir (config, tokenizer, safetensors)."),
+        assignment: Path = typer.Option(..., "--assignment", help="assignment.json written by `voodoo train`."),
+        output_dir: Path = typer.Option(..., "--output_dir", "--output-dir", help="Where the GGUF and its tensor-type file go."),
+        base_checkpoint: Optional[Path] = typer.Option(None, "--base_checkpoint", "--base-checkpoint", help="A .pt state dict whose weights replace the checkpoint's."),
+        imatrix: Optional[Path] = typer.Option(None, "--imatrix", help="The imatrix the candidates were built with (GGUF or .dat)."),
+        output_name: Optional[str] = typer.Option(None, "--output_name", "--output-name", help="File name (default: <Model>.Voodoo<NN>_<BADGE>.gguf)."),
+        size_percent: Optional[int] = typer.Option(None, "--size_percent", "--size-percent", help="Standard size for the canonical name (45 → Voodoo45_IQ2_M)."),
+        model_name: Optional[str] = typer.Option(None, "--model_name", "--model-name", help="<Model> in the canonical name (default: the model dir's name)."),
+        overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output file."),
+    ) -> None:
+        """Write the assignment as one GGUF that stock llama.cpp loads and runs."""
+        from ..tools.export import ExportConfig, export
+
+        cfg = ExportConfig(
+            model=model, assignment=assignment, output_dir=output_dir, base_checkpoint=base_checkpoint,
+            imatrix=imatrix, output_name=output_name, size_percent=size_percent, model_name=model_name,
+            overwrite=overwrite,
+        )
+        r = export(cfg)
+        types = ", ".join(f"{k}×{v}" for k, v in r.types.items())
+        console.print(f"wrote {r.path} ({r.nbytes:,} bytes, {r.bpw:.3f} bpw selected, {r.file_bpw:.3f} bpw file; {types})")
+        console.print(f"tensor types: {r.tensor_type_file}")

@@ -1,9 +1,9 @@
 """Reading the fields of packed ggml blocks with torch ops (little-endian, as ggml writes them).
 
 Every helper takes ``blocks``, a ``(n_blocks, type_size)`` uint8 tensor, and a byte offset, and
-returns one column (or a few) per block. Integer fields are widened to int32 (half the memory
-traffic of int64 on a GPU); a uint32 field with its top bit set then reads negative, so its
-users mask after every right shift (``(aux >> 28) & 0xF``), which gives ggml's unsigned result.
+returns one column (or a few) per block. Byte and uint16 fields are widened to int32 (half the
+memory traffic of int64 on a GPU); uint32 fields (a few per block) to int64, so that no shift
+ever overflows a signed type, whose left-shift overflow is not defined on every backend.
 """
 
 from __future__ import annotations
@@ -28,14 +28,22 @@ def u8(blocks: torch.Tensor, off: int, n: int) -> torch.Tensor:
     return blocks[:, off:off + n].to(torch.int32)
 
 
+def raw8(blocks: torch.Tensor, off: int, n: int) -> torch.Tensor:
+    """`n` bytes from `off`, still uint8: for bit ops whose results fit in a byte (8x less memory
+    traffic than int64). Never index with it: torch reads a uint8 index as a boolean mask."""
+    return blocks[:, off:off + n]
+
+
 def i8(blocks: torch.Tensor, off: int, n: int) -> torch.Tensor:
-    """`n` signed bytes (int8_t fields) from `off`, as int32."""
-    return blocks[:, off:off + n].contiguous().view(torch.int8).to(torch.int32)
+    """`n` signed bytes (int8_t fields) from `off`, as int8 (convert with ``.float()``)."""
+    return blocks[:, off:off + n].contiguous().view(torch.int8)
 
 
 def uint(blocks: torch.Tensor, off: int, n: int, width: int) -> torch.Tensor:
-    """`n` little-endian unsigned integers of `width` bytes from `off`, as int32 (n_blocks, n)."""
-    b = blocks[:, off:off + n * width].to(torch.int32).reshape(blocks.shape[0], n, width)
+    """`n` little-endian unsigned integers of `width` bytes from `off` (n_blocks, n): int32 for
+    uint16, int64 for uint32 (its top bit must not become a sign)."""
+    dtype = torch.int64 if width > 2 else torch.int32
+    b = blocks[:, off:off + n * width].to(dtype).reshape(blocks.shape[0], n, width)
     out = b[..., 0]
     for k in range(1, width):
         out = out | (b[..., k] << (8 * k))

@@ -2,7 +2,7 @@
 
 ggml widens F16 with GGML_FP16_TO_FP32 and BF16 with ``ggml_bf16_to_fp32`` (the 16 bits moved
 to the top of a float32, ``ggml/src/ggml-impl.h``); both are exact, as are torch's casts.
-BF16 is widened by the same bit shift so that NaN payloads survive unchanged too.
+BF16 is widened by placing its two bytes above two zero bytes, so NaN payloads survive unchanged too.
 """
 
 from __future__ import annotations
@@ -24,5 +24,6 @@ def f16(blocks: torch.Tensor) -> torch.Tensor:
 
 @register("BF16")
 def bf16(blocks: torch.Tensor) -> torch.Tensor:
-    b = blocks.to(torch.int32)
-    return ((b[:, 1:2] << 24) | (b[:, 0:1] << 16)).view(torch.float32)
+    zeros = torch.zeros_like(blocks)
+    # bytes (0, 0, lo, hi): the little-endian float32 whose top half is the bf16; pure byte moves
+    return torch.cat([zeros, blocks], dim=1).contiguous().view(torch.float32)

@@ -26,14 +26,14 @@ def _ar(n: int, step: int, device) -> torch.Tensor:
 
 def _nibble_codes(qs: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
     """(n, m, 16) bytes -> (n, m, 32) codebook values: low nibbles first, then high ones."""
-    return kv[torch.cat([qs & 0xF, qs >> 4], dim=-1)]
+    return kv[torch.cat([qs & 0xF, qs >> 4], dim=-1).to(torch.int32)]
 
 
 @register("IQ4_NL")
 def iq4_nl(blocks: torch.Tensor) -> torch.Tensor:
     d = f.f16(blocks, 0)
     kv = table("kvalues_iq4nl", blocks.device)
-    return d[:, None] * _nibble_codes(f.u8(blocks, 2, 16), kv)
+    return d[:, None] * _nibble_codes(f.raw8(blocks, 2, 16), kv)
 
 
 @register("IQ4_XS")

@@ -316,3 +316,27 @@ def save_hf_dir(model, tokenizer, out: Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def module_from_checkpoint(path: str | Path, dtype: Any = None):
+    """The causal LM of a base or teacher ``.pt`` (teacher: its exact Q8_0 values, float32)."""
+    import json
+
+    import torch
+    import transformers
+
+    from ..modeling import model_from_state_dict
+
+    obj = fileio.torch_load(path, what="checkpoint")
+    fmt = obj.get("format") if isinstance(obj, dict) else None
+    if fmt == TEACHER_FORMAT:
+        sd, header = load_teacher(path)
+    elif fmt == BASE_FORMAT:
+        sd, header = load_base(path)
+    else:
+        raise CorruptFileError(f"{path} is neither a voodoo base nor a teacher checkpoint")
+    cls = getattr(transformers, header["model_class"], None)
+    if cls is None:
+        raise CorruptFileError(f"{path}: model class {header['model_class']!r} is not in this transformers")
+    config = cls.config_class.from_dict(json.loads(header["config_json"]))
+    return model_from_state_dict(cls, config, sd, dtype=dtype or torch.float32)

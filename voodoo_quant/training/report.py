@@ -77,7 +77,7 @@ def print_result(console: Console, run, result) -> None:
     counts = ", ".join(f"{k}×{v}" for k, v in asg.type_counts().items())
     console.print(
         f"baked: {_mb(asg.total_bytes)} ({asg.bpw:.3f} bpw) vs target {_mb(b.target_bytes)} "
-        f"(±{b.tolerance:.1%}); upgrades moved {result.bake.upgraded}, repair moves {result.bake.repaired}\n"
+        f"(±{b.tolerance:.1%}); upgrades moved {result.bake.upgraded}, repair moves down {result.bake.repaired} / up {result.bake.filled}\n"
         f"types: {counts}\n"
         f"wrote {result.output_pt}, {result.assignment_json}, {result.tensor_types}"
     )

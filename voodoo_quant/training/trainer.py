@@ -210,7 +210,7 @@ class Trainer:
                 "q8_0_bytes": run.budget.q8_bytes, "min_bytes": run.budget.min_bytes, "max_bytes": run.budget.max_bytes,
                 "train_target_bytes": run.budget.train_target_bytes, "tolerance": run.budget.tolerance,
                 "compression_ratio": cfg.compression_ratio, "target_bits": cfg.target_bits,
-                "upgraded": res.upgraded, "repaired": res.repaired, "final_step": final,
+                "upgraded": res.upgraded, "repaired": res.repaired, "filled": res.filled, "final_step": final,
             },
         )
         out = cfg.out_dir

@@ -1,0 +1,179 @@
+"""`voodoo export` per architecture, against the stock llama.cpp tools (tiny random models).
+
+For Llama, Qwen3, Qwen3.5 and LFM2: (1) the layout map reproduces the converter's F32 GGUF
+tensor for tensor, both ways; (2) every exported tensor's bytes equal stock
+``llama-quantize --tensor-type-file <ours> --imatrix <same>``; (3) the file runs in stock
+``llama-perplexity`` and its PPL equals the torch PPL of the baked student within 0.5 %.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+from voodoo_quant import converter, paths
+from voodoo_quant import qtypes as qt
+from voodoo_quant.assignment import Assignment, TensorChoice
+from voodoo_quant.layout import model_layouts
+
+ARCHS = ("llama", "qwen3", "qwen3_5", "lfm2")
+# Cheap-to-initialize types (IQ2/IQ1 grids cost seconds per process), with and without imatrix.
+TYPES = ("Q4_K", "Q6_K", "IQ4_XS", "Q5_K", "Q3_K", "Q8_0", "Q2_K", "Q4_0")
+N_CTX = 128
+PPL_TOL = 0.005
+
+
+def _build(arch: str, out, tok_dir):
+    import torch
+    import transformers as T
+
+    common = dict(vocab_size=49152, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                  num_key_value_heads=2, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True,
+                  max_position_embeddings=512)
+    torch.manual_seed(0)
+    if arch == "llama":
+        m = T.LlamaForCausalLM(T.LlamaConfig(num_hidden_layers=2, head_dim=64, **common))
+    elif arch == "qwen3":
+        m = T.Qwen3ForCausalLM(T.Qwen3Config(num_hidden_layers=2, head_dim=64, **common))
+    elif arch == "qwen3_5":
+        m = T.Qwen3_5ForCausalLM(T.Qwen3_5TextConfig(
+            num_hidden_layers=4, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
+            linear_key_head_dim=64, linear_value_head_dim=64,
+            layer_types=["linear_attention"] * 3 + ["full_attention"], **common))
+    else:
+        m = T.Lfm2ForCausalLM(T.Lfm2Config(num_hidden_layers=4, layer_types=["conv", "conv", "full_attention", "conv"], **common))
+    m.save_pretrained(out)
+    for f in tok_dir.iterdir():
+        shutil.copy(f, out / f.name)
+    return out
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def exported(request, tmp_path_factory, smollm2_tok_dir):
+    from voodoo_quant.imatrix import Entry, Imatrix
+    from voodoo_quant.tools.export import ExportConfig, export
+
+    arch = request.param
+    root = tmp_path_factory.mktemp(f"export_{arch}")
+    d = _build(arch, root / f"Tiny-{arch}", smollm2_tok_dir)
+    layouts = model_layouts(d)
+    rng = np.random.default_rng(0)
+    choices, entries = {}, {}
+    for i, (n, lay) in enumerate(sorted(layouts.items())):
+        if not lay.quantizable:
+            continue
+        q = "Q8_0" if lay.gguf_name == "token_embd.weight" else qt.resolve_for_row(TYPES[i % len(TYPES)], lay.n_per_row).name
+        choices[n] = TensorChoice(name=n, qtype=q, shape=lay.hf_shape, nbytes=qt.tensor_bytes(q, (lay.n_rows, lay.n_per_row)),
+                                  gguf_name=lay.gguf_name)
+        entries[lay.gguf_name] = Entry(sums=rng.uniform(0.1, 10, lay.n_per_row).astype(np.float32) * 37, counts=np.array([37]))
+    imatrix = Imatrix(entries=entries, datasets=["synthetic"], chunk_count=3, chunk_size=512)
+    imatrix.save_gguf(root / "imatrix.gguf")
+    asg = Assignment(tensors=choices, model=str(d))
+    asg.save(root / "assignment.json")
+    res = export(ExportConfig(model=d, assignment=root / "assignment.json", output_dir=root / "out",
+                              imatrix=root / "imatrix.gguf", size_percent=45, keep_f32=True))
+    return arch, d, layouts, asg, res, root
+
+
+def _tensors(path):
+    return {t.name: t for t in converter.vendored_gguf().GGUFReader(path).tensors}
+
+
+@pytest.mark.slow
+def test_layout_reproduces_converter(exported):
+    from safetensors.numpy import load_file
+
+    arch, d, layouts, _, res, _ = exported
+    f32 = _tensors(res.f32_gguf)
+    sd = load_file(str(d / "model.safetensors"))
+    assert layouts, arch
+    for n, lay in layouts.items():
+        g = np.asarray(f32[lay.gguf_name].data).reshape(lay.n_rows, lay.n_per_row)
+        assert np.array_equal(lay.to_gguf(sd[n]), g), f"{arch}: {n} → {lay.gguf_name} differs from the converter"
+        assert np.array_equal(lay.from_gguf(g), sd[n]), f"{arch}: {lay.gguf_name} → {n} does not map back"
+    if arch == "qwen3_5":  # the V-head reorder is a real permutation, not an identity
+        assert not layouts["model.layers.0.linear_attn.out_proj.weight"].is_identity
+    if arch == "llama":  # the rope q/k row permutation
+        assert layouts["model.layers.0.self_attn.q_proj.weight"].rows is not None
+
+
+@pytest.mark.slow
+def test_bytes_equal_stock_llama_quantize(exported):
+    arch, _, _, asg, res, root = exported
+    assert res.path.name == f"Tiny-{arch}.Voodoo45_IQ2_M.gguf"
+    stock = root / "stock.gguf"
+    p = subprocess.run([str(paths.tool_path("llama-quantize")), "--tensor-type-file", str(res.tensor_type_file),
+                        "--imatrix", str(root / "imatrix.gguf"), str(res.f32_gguf), str(stock), "Q8_0", "2"],
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-2000:]
+    ours, theirs = _tensors(res.path), _tensors(stock)
+    assert sorted(ours) == sorted(theirs)
+    sel = {c.gguf_name: c for c in asg.tensors.values()}
+    diff = [n for n in ours if ours[n].tensor_type != theirs[n].tensor_type
+            or not np.array_equal(np.asarray(ours[n].data).view(np.uint8), np.asarray(theirs[n].data).view(np.uint8))]
+    assert not diff, f"{arch}: {len(diff)} tensor(s) differ from llama-quantize, e.g. {diff[:3]}"
+    for name, c in sel.items():
+        assert ours[name].tensor_type.name == c.qtype and int(ours[name].n_bytes) == c.nbytes
+    kv = converter.vendored_gguf().GGUFReader(res.path).fields
+    assert kv["quantize.imatrix.entries_count"].contents() == len(sel)
+    assert kv["quantize.imatrix.chunks_count"].contents() == 3
+    assert abs(kv["voodoo.bpw"].contents() - res.bpw) < 1e-4
+
+
+def _torch_ppl(model, tokens: list[int]) -> float:
+    """llama-perplexity's estimate (tools/perplexity/perplexity.cpp): chunks of n_ctx tokens,
+    only the second half of each chunk scored."""
+    import torch
+
+    nll, cnt = 0.0, 0
+    first = N_CTX // 2
+    with torch.no_grad():
+        for i in range(len(tokens) // N_CTX):
+            ids = torch.tensor([tokens[i * N_CTX:(i + 1) * N_CTX]])
+            logp = torch.log_softmax(model(ids).logits[0].double(), dim=-1)
+            tgt = ids[0, first + 1:]
+            nll -= float(logp[first:N_CTX - 1].gather(1, tgt[:, None]).sum())
+            cnt += N_CTX - 1 - first
+    return math.exp(nll / cnt)
+
+
+@pytest.mark.slow
+def test_perplexity_llama_cpp_equals_torch(exported, shakespeare_text_file):
+    import torch
+    import transformers as T
+
+    from voodoo_quant import ggml
+
+    arch, d, layouts, asg, res, root = exported
+    text = shakespeare_text_file.read_text(encoding="utf-8")[:3000]
+    tf = root / "text.txt"
+    tf.write_text(text, encoding="utf-8")
+    p = subprocess.run([str(paths.tool_path("llama-perplexity")), "-m", str(res.path), "-f", str(tf), "-c", str(N_CTX),
+                        "-b", str(N_CTX), "-t", "2"], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-2000:]
+    m = re.search(r"Final estimate: PPL = ([0-9.]+)", p.stdout + p.stderr)
+    assert m, (p.stdout + p.stderr)[-2000:]
+    ppl_cpp = float(m.group(1))
+    assert math.isfinite(ppl_cpp)
+
+    # The baked student: every selected tensor = its exported bytes, dequantized, mapped back.
+    model = T.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    ours = _tensors(res.path)
+    params = dict(model.named_parameters())
+    for c in asg.tensors.values():
+        lay = layouts[c.name]
+        t = ours[c.gguf_name]
+        w = ggml.lib().dequantize(np.asarray(t.data).view(np.uint8), c.qtype, (lay.n_rows, lay.n_per_row))
+        with torch.no_grad():
+            params[c.name].copy_(torch.from_numpy(lay.from_gguf(w)))
+    tok = T.AutoTokenizer.from_pretrained(d)
+    tokens = tok(text, add_special_tokens=False)["input_ids"]
+    ppl_torch = _torch_ppl(model, tokens)
+    rel = abs(ppl_cpp - ppl_torch) / ppl_torch
+    print(f"\n{arch}: PPL llama.cpp {ppl_cpp:.4f} torch {ppl_torch:.4f} rel diff {rel:.2e}")
+    assert rel <= PPL_TOL, f"{arch}: llama.cpp PPL {ppl_cpp} vs torch {ppl_torch} ({rel:.2%})"

@@ -1,0 +1,141 @@
+"""MixedQuant: gradients, one-hot == baked, lazy == eager, tied embeddings, expected size."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+from torch.nn.utils import parametrize
+
+from voodoo_quant.arch import adapter_for
+from voodoo_quant.layers import MixedQuant, attach, mixed_modules
+from voodoo_quant.menus import MenuConfig
+from voodoo_quant.student import attach_all, build_mixed, candidate_bytes, plan_model
+
+MENU = MenuConfig(("Q8_0", "Q4_K", "Q2_K", "Q4_0"))
+
+
+def _tiny_model(tied=True):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=256, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=tied)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def _student(lazy=False, tied=True, dtype=torch.float32):
+    model = _tiny_model(tied)
+    plans = plan_model(model, adapter_for(model.config), MENU)
+    from voodoo_quant.student import selectable_weights
+
+    w = selectable_weights(model)
+    blobs = {p.name: candidate_bytes(p, w[p.name][0], None) for p in plans}
+    mixed = {p.name: build_mixed(p, blobs[p.name], lazy=lazy, dtype=dtype) for p in plans}
+    attach_all(model, plans, mixed)
+    return model, plans, mixed
+
+
+def test_gate_gradients_match_finite_differences():
+    model, plans, mixed = _student()
+    model.double()
+    for mq in mixed.values():
+        mq.dtype = torch.float64
+        mq.stacked = mq.stacked.double()
+    ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+    # The tied embedding/head moves the logits most; HF's RMSNorm computes in float32 whatever the
+    # model dtype, so the step is 1e-3 and the tolerance 1 %: a wrong gradient (sign, missing p_k factor) is off by far more.
+    mq = mixed["model.embed_tokens.weight"]
+    with torch.no_grad():
+        mq.gates.copy_(torch.tensor([0.3, -0.2, 0.1, 0.0]))
+
+    def loss():
+        with parametrize.cached():
+            return model(input_ids=ids).logits.double().pow(2).mean()
+
+    model.zero_grad()
+    loss().backward()
+    analytic = mq.gates.grad.clone()
+    eps = 1e-3
+    numeric = torch.zeros_like(analytic)
+    for k in range(mq.k):
+        with torch.no_grad():
+            mq.gates[k] += eps
+            up = loss().item()
+            mq.gates[k] -= 2 * eps
+            down = loss().item()
+            mq.gates[k] += eps
+        numeric[k] = (up - down) / (2 * eps)
+    assert torch.allclose(analytic.double(), numeric, rtol=1e-2, atol=1e-6), (analytic, numeric)
+    assert analytic.abs().max() > 0
+
+
+def test_one_hot_gates_equal_baked_output_exactly():
+    model, plans, mixed = _student()
+    ids = torch.randint(0, 128, (1, 10), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        for i, mq in enumerate(mixed.values()):
+            k = i % mq.k
+            mq.gates.fill_(-1e4)
+            mq.gates[k] = 1e4
+        with parametrize.cached():
+            soft = model(input_ids=ids).logits
+        for mq in mixed.values():
+            mq.bake()
+        baked = model(input_ids=ids).logits
+    assert torch.equal(soft, baked)
+    for mq in mixed.values():
+        mq.unbake()
+        assert mq.baked is None
+
+
+def test_lazy_equals_eager_forward_and_gradients():
+    e_model, _, e_mixed = _student(lazy=False)
+    l_model, _, l_mixed = _student(lazy=True)
+    ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(2))
+    outs = []
+    for model, mixed in ((e_model, e_mixed), (l_model, l_mixed)):
+        with parametrize.cached():
+            y = model(input_ids=ids).logits
+        y.square().mean().backward()
+        outs.append((y.detach(), {n: m.gates.grad.clone() for n, m in mixed.items()}))
+    assert torch.equal(outs[0][0], outs[1][0])
+    for n in outs[0][1]:
+        assert torch.equal(outs[0][1][n], outs[1][1][n]), n
+
+
+def test_tied_embedding_is_one_gate_set_and_expected_size_matches_bytes():
+    model, plans, mixed = _student(tied=True)
+    names = [p.name for p in plans]
+    assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names
+    emb = mixed["model.embed_tokens.weight"]
+    assert model.lm_head.parametrizations.weight[0] is emb
+    assert len(mixed_modules(model)) == len(plans)
+    gate_params = [n for n, _ in model.named_parameters() if n.endswith("gates")]
+    assert len(gate_params) == len(plans)
+    # One-hot expected size is exactly the chosen candidates' GGUF bytes.
+    total = 0
+    with torch.no_grad():
+        for p in plans:
+            mq = mixed[p.name]
+            mq.gates.fill_(-1e4)
+            mq.gates[1] = 1e4
+            total += p.sizes[1]
+    assert float(sum(m.expected_bytes().detach() for m in mixed.values())) == total
+
+
+def test_untied_model_has_separate_head():
+    _, plans, _ = _student(tied=False)
+    assert {"model.embed_tokens.weight", "lm_head.weight"} <= {p.name for p in plans}
+
+
+def test_mixed_quant_validates_shapes():
+    with pytest.raises(ValueError):
+        MixedQuant("x", ["Q8_0"], [1, 2], torch.zeros(1, 2, 2), (2, 2))
+    with pytest.raises(ValueError):
+        MixedQuant("x", ["Q8_0"], [1], torch.zeros(2, 2, 2), (2, 2))
+    lin = nn.Linear(4, 2)
+    mq = MixedQuant("x", ["A"], [1], torch.ones(1, 2, 4), (2, 4))
+    attach(lin, mq)
+    with pytest.raises(ValueError):
+        attach(lin, MixedQuant("x", ["A"], [1], torch.ones(1, 2, 4), (2, 4)))
+    assert np.isclose(mq.confidence(), 1.0)

@@ -1,0 +1,75 @@
+"""Menus: llama.cpp fallbacks for the row length, imatrix drops, rung order, --tensor_upgrades."""
+
+import pytest
+
+from voodoo_quant import qtypes as qt
+from voodoo_quant.errors import ConfigError, UnknownQuantTypeError
+from voodoo_quant.menus import MenuConfig, apply_upgrades, build_menu, parse_upgrades
+
+RECIPE_DEFAULT = ("Q8_0", "Q5_K", "IQ3_S", "IQ2_S", "IQ2_XXS", "IQ1_S")
+RECIPE_ATTN = ("Q5_K", "IQ3_S", "IQ2_S", "IQ2_XXS")
+RECIPE_OTHER = ("IQ4_XS", "IQ3_S", "IQ2_S", "IQ2_XXS", "IQ1_S")
+
+
+def test_576_wide_menus_follow_llama_cpp_fallback():
+    # src/llama-quant.cpp tensor_type_fallback: IQ* -> IQ4_NL, Q5_K -> Q5_1; Q8_0 fits 576 = 18 x 32.
+    assert build_menu(RECIPE_DEFAULT, 576, True).types == ("IQ4_NL", "Q5_1", "Q8_0")
+    assert build_menu(RECIPE_ATTN, 576, True).types == ("IQ4_NL", "Q5_1")
+    assert build_menu(RECIPE_OTHER, 576, True).types == ("IQ4_NL",)
+    m = build_menu(RECIPE_DEFAULT, 576, True)
+    assert m.fallbacks == {"Q5_K": "Q5_1", "IQ3_S": "IQ4_NL", "IQ2_S": "IQ4_NL", "IQ2_XXS": "IQ4_NL", "IQ1_S": "IQ4_NL"}
+
+
+def test_256_multiple_keeps_native_types_ordered_by_bits():
+    m = build_menu(RECIPE_DEFAULT, 1536, True)
+    assert m.types == ("IQ1_S", "IQ2_XXS", "IQ2_S", "IQ3_S", "Q5_K", "Q8_0")
+    bpw = [qt.get(t).bpw for t in m.types]
+    assert bpw == sorted(bpw)
+
+
+def test_rows_not_multiple_of_32_fall_to_f16():
+    assert build_menu(("Q4_K", "Q8_0", "IQ2_S"), 100, True).types == ("F16",)
+
+
+def test_types_needing_imatrix_dropped_without_one():
+    m = build_menu(RECIPE_DEFAULT, 512, has_imatrix=False)
+    assert m.types == ("IQ3_S", "Q5_K", "Q8_0")
+    assert set(m.dropped_no_imatrix) == {"IQ2_S", "IQ2_XXS", "IQ1_S"}
+
+
+def test_menu_config_roles_and_validation():
+    mc = MenuConfig(RECIPE_DEFAULT, RECIPE_ATTN, RECIPE_OTHER)
+    assert mc.types_for("attention") == RECIPE_ATTN
+    assert mc.types_for("other") == RECIPE_OTHER
+    assert MenuConfig(("q4_k", "Q8_0,Q6_K")).candidate_types == ("Q4_K", "Q8_0", "Q6_K")
+    with pytest.raises(UnknownQuantTypeError, match="Q9_9"):
+        MenuConfig(("Q9_9",))
+    with pytest.raises(ConfigError, match="F32"):
+        MenuConfig(("F32",))
+
+
+RECIPE_UPGRADES = '[{"pattern":"mlp\\\\.(gate|up|down)_proj$","levels":1}, {"pattern":"linear_attn|self_attn","levels":-1}]'
+
+
+def test_upgrades_move_rungs_and_clamp():
+    ups = parse_upgrades(RECIPE_UPGRADES)
+    menu = ("IQ2_XXS", "IQ2_S", "IQ3_S", "Q5_K")
+    assert apply_upgrades("model.layers.3.mlp.down_proj.weight", menu, 1, ups) == 2
+    assert apply_upgrades("model.layers.3.mlp.down_proj.weight", menu, 3, ups) == 3  # clamped at the top
+    assert apply_upgrades("model.layers.3.self_attn.q_proj.weight", menu, 1, ups) == 0
+    assert apply_upgrades("model.layers.3.self_attn.q_proj.weight", menu, 0, ups) == 0  # clamped at the bottom
+    assert apply_upgrades("model.embed_tokens.weight", menu, 2, ups) == 2
+    big = parse_upgrades('[{"pattern": "embed", "levels": 5}]')
+    assert apply_upgrades("model.embed_tokens.weight", menu, 0, big) == 3
+
+
+@pytest.mark.parametrize("bad, msg", [
+    ("not json", "not valid JSON"),
+    ('{"pattern": "x", "levels": 1}', "JSON list"),
+    ('[{"pattern": "(", "levels": 1}]', "invalid regex"),
+    ('[{"pattern": "x", "levels": "1"}]', "integer"),
+    ('[{"pattern": "x"}]', "exactly the keys"),
+])
+def test_upgrades_bad_input_is_a_config_error(bad, msg):
+    with pytest.raises(ConfigError, match=msg):
+        parse_upgrades(bad)

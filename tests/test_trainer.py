@@ -1,0 +1,118 @@
+"""The trainer on a tiny random model: losses, the dead zone, budgets, bake, journal/resume."""
+
+import json
+
+import pytest
+import torch
+
+from voodoo_quant.assignment import Assignment
+from voodoo_quant.budget import size_penalty
+from voodoo_quant.errors import ConfigError
+from voodoo_quant.training.config import TrainConfig
+from voodoo_quant.training.journal import JournalMismatchError
+from voodoo_quant.training.trainer import Trainer
+
+MENU = ("Q8_0", "Q6_K", "Q4_K", "Q2_K")
+
+
+def cfg_for(d, out, **kw):
+    base = dict(model=str(d / "model"), data_dir=str(d / "data"), seq_len=32, batch_size=2, max_steps=4,
+                compression_ratio=0.6, candidate_types=MENU, output_dir=str(out), partial_save_interval=1)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def test_size_penalty_is_zero_inside_the_dead_zone_and_pulls_outside():
+    target, tol, w = 1000.0, 0.02, 100.0
+    for inside in (980.0, 1000.0, 1019.9):
+        assert float(size_penalty(torch.tensor(inside), target, tol, w)) == 0.0
+    over = torch.tensor(1100.0, requires_grad=True)
+    pen = size_penalty(over, target, tol, w)
+    pen.backward()
+    assert float(pen) == pytest.approx(w * 0.08**2)
+    assert over.grad > 0  # descending the penalty shrinks the size
+    under = torch.tensor(800.0, requires_grad=True)
+    size_penalty(under, target, tol, w).backward()
+    assert under.grad < 0
+
+
+def test_kl_decreases_with_a_generous_budget(gate_model_dir, tmp_path):
+    cfg = cfg_for(gate_model_dir, tmp_path / "run", compression_ratio=0.9, max_steps=10, size_weight=0.0, distill_weight=10.0,
+                  tau_start=1.0, tau_end=1.0, lr=0.5)
+    res = Trainer(cfg).train()
+    kls = [m.kl for m in res.history]
+    assert len(kls) == 10
+    assert kls[-1] < 0.7 * kls[0], kls
+    # With the size free, the gates move toward the richest candidate.
+    counts = res.assignment.type_counts()
+    assert counts.get("Q8_0", 0) >= len(res.assignment.tensors) // 2, counts
+
+
+@pytest.mark.parametrize("ratio", [0.45, 0.6, 0.8])
+def test_baked_size_lands_within_tolerance(gate_model_dir, tmp_path, ratio):
+    cfg = cfg_for(gate_model_dir, tmp_path / "run", compression_ratio=ratio, max_steps=6)
+    tr = Trainer(cfg)
+    res = tr.train()
+    b = tr.run.budget
+    total = res.assignment.total_bytes
+    assert total == res.bake.total_bytes == sum(p.sizes[res.bake.choice[p.name]] for p in tr.run.plans)
+    assert total <= b.target_bytes * (1 + b.tolerance), (total, b.target_bytes)
+    assert total >= b.target_bytes * (1 - b.tolerance), (total, b.target_bytes)
+    # Outputs: assignment.json round-trips; the tensor-type file has one anchored line per tensor.
+    again = Assignment.load(tmp_path / "run" / "assignment.json")
+    assert again.to_dict() == res.assignment.to_dict()
+    lines = (tmp_path / "run" / "tensor-types.txt").read_text().split()
+    assert len(lines) == len(res.assignment.tensors)
+    assert all(ln.startswith("^") and "$=" in ln for ln in lines)
+    pt = torch.load(tmp_path / "run" / "voodoo.pt", weights_only=True)
+    assert json.loads(pt["assignment_json"])["total_bytes"] == total
+
+
+def test_target_at_the_cheapest_rung_gives_every_tensor_the_cheapest_type(gate_model_dir, tmp_path):
+    cfg = cfg_for(gate_model_dir, tmp_path / "run", compression_ratio=0.6)
+    tr = Trainer(cfg)
+    tr.prepare(build=False)
+    b = tr.run.budget
+    cheapest = b.min_bytes / b.q8_bytes
+    cfg2 = cfg_for(gate_model_dir, tmp_path / "run2", compression_ratio=cheapest, size_tolerance=0.0, max_steps=3)
+    res = Trainer(cfg2).train()
+    assert set(res.assignment.type_counts()) == {"Q2_K"}
+
+
+def test_impossible_target_names_the_achievable_range(gate_model_dir, tmp_path):
+    with pytest.raises(ConfigError, match="can only reach"):
+        Trainer(cfg_for(gate_model_dir, tmp_path / "r", compression_ratio=0.1)).prepare(build=False)
+    with pytest.raises(ConfigError, match="can only reach"):
+        Trainer(cfg_for(gate_model_dir, tmp_path / "r", compression_ratio=1.5)).prepare(build=False)
+
+
+class _Crash(RuntimeError):
+    pass
+
+
+def test_kill_and_resume_gives_the_identical_assignment(gate_model_dir, tmp_path):
+    straight = Trainer(cfg_for(gate_model_dir, tmp_path / "a", max_steps=6)).train()
+
+    def crash_at_4(m):
+        if m.step == 4:
+            raise _Crash()
+
+    with pytest.raises(_Crash):
+        Trainer(cfg_for(gate_model_dir, tmp_path / "b", max_steps=6), on_step=crash_at_4).train()
+    resumed = Trainer(cfg_for(gate_model_dir, tmp_path / "b", max_steps=6)).train()
+    assert resumed.resumed_from == 3
+    assert resumed.assignment.to_dict()["tensors"] == straight.assignment.to_dict()["tensors"]
+    a = torch.load(tmp_path / "a" / "voodoo.pt", weights_only=True)["gates"]
+    b = torch.load(tmp_path / "b" / "voodoo.pt", weights_only=True)["gates"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    steps = [json.loads(ln)["step"] for ln in (tmp_path / "b" / "train_log.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6]
+
+
+def test_journal_from_another_config_is_refused(gate_model_dir, tmp_path):
+    Trainer(cfg_for(gate_model_dir, tmp_path / "a", max_steps=2)).train()
+    with pytest.raises(JournalMismatchError, match="different configuration"):
+        Trainer(cfg_for(gate_model_dir, tmp_path / "a", max_steps=2, lr=0.1)).train()
+    # --no_resume starts over instead.
+    res = Trainer(cfg_for(gate_model_dir, tmp_path / "a", max_steps=2, lr=0.1, resume=False)).train()
+    assert res.resumed_from == 0

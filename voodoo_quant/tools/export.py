@@ -1,0 +1,291 @@
+"""`voodoo export`: an assignment → one GGUF that stock llama.cpp loads and runs.
+
+Pipeline: llama.cpp's own ``convert_hf_to_gguf.py`` writes an F32 GGUF (metadata, tokenizer,
+tensor names and layout: every converter transform already applied), then every tensor is
+streamed into the final file: a selected tensor as the bytes libggml-base's quantizer gives for
+its assigned type (same imatrix vector as the candidates), every other tensor exactly as the
+converter wrote it. Because the F32 GGUF tensor *is* ``layout.to_gguf(W)`` (proved per
+architecture in the tests), the exported bytes are the bytes the training candidate came from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .. import converter, fileio, ggml
+from .. import qtypes as qt
+from ..assignment import Assignment
+from ..errors import ConfigError, CorruptFileError, QuantizationInputError
+from ..layout import find_layout, llama_quantize_allows, model_layouts
+
+# llama.cpp's file-type guess (src/llama-model-loader.cpp): the ftype of the dominant type.
+_TYPE_TO_FTYPE = {
+    "F32": "F32", "F16": "F16", "BF16": "BF16", "Q4_0": "Q4_0", "Q4_1": "Q4_1", "Q5_0": "Q5_0",
+    "Q5_1": "Q5_1", "Q8_0": "Q8_0", "Q2_K": "Q2_K", "Q3_K": "Q3_K_M", "Q4_K": "Q4_K_M",
+    "Q5_K": "Q5_K_M", "Q6_K": "Q6_K", "TQ1_0": "TQ1_0", "TQ2_0": "TQ2_0", "IQ2_XXS": "IQ2_XXS",
+    "IQ2_XS": "IQ2_XS", "IQ2_S": "IQ2_S", "IQ3_XXS": "IQ3_XXS", "IQ1_S": "IQ1_S", "IQ1_M": "IQ1_M",
+    "IQ4_NL": "IQ4_NL", "IQ4_XS": "IQ4_XS", "IQ3_S": "IQ3_S",
+}
+# GGUF header fields the reader synthesizes, and the one GGUFWriter writes itself.
+_SKIP_KEYS = ("GGUF.", "general.architecture")
+
+
+@dataclass
+class ExportConfig:
+    model: Path  # HF checkpoint dir (config, tokenizer, safetensors)
+    assignment: Path | Assignment
+    output_dir: Path
+    base_checkpoint: Path | None = None  # a state-dict .pt whose weights replace the safetensors'
+    imatrix: Path | Any | None = None  # imatrix file, or a loaded voodoo_quant.imatrix.Imatrix
+    output_name: str | None = None  # file name; default <Model>.Voodoo<NN>_<BADGE>.gguf
+    size_percent: int | None = None  # the standard size (Voodoo45 → 45) for the canonical name
+    model_name: str | None = None  # <Model> in the name; default: the model dir's name
+    overwrite: bool = False
+    keep_f32: bool = False  # keep the converter's F32 GGUF beside the output (for checks)
+    workers: int | None = None
+
+    def __post_init__(self) -> None:
+        self.model = Path(self.model)
+        self.output_dir = Path(self.output_dir)
+        if not (self.model / "config.json").is_file():
+            raise ConfigError(f"--model {self.model} is not an HF checkpoint directory (no config.json)")
+        if not isinstance(self.assignment, Assignment):
+            self.assignment = Path(self.assignment)
+            if not self.assignment.is_file():
+                raise ConfigError(f"--assignment {self.assignment} does not exist")
+        if self.base_checkpoint is not None:
+            self.base_checkpoint = Path(self.base_checkpoint)
+            if not self.base_checkpoint.is_file():
+                raise ConfigError(f"--base_checkpoint {self.base_checkpoint} does not exist")
+        if isinstance(self.imatrix, (str, Path)):
+            self.imatrix = Path(self.imatrix)
+            if not self.imatrix.is_file():
+                raise ConfigError(f"--imatrix {self.imatrix} does not exist")
+        if self.size_percent is not None:
+            qt.badge_for(self.size_percent)  # refuses a non-standard size, listing the standard ones
+        if self.output_name is None and self.size_percent is None:
+            raise ConfigError("give --output_name or --size_percent (for the canonical Voodoo<NN>_<BADGE> name)")
+        if self.output_name is not None and not self.output_name.endswith(".gguf"):
+            raise ConfigError(f"--output_name {self.output_name!r} must end in .gguf")
+
+    def file_name(self) -> str:
+        if self.output_name:
+            return self.output_name
+        return canonical_name(self.model_name or self.model.name, int(self.size_percent))
+
+
+@dataclass
+class ExportResult:
+    path: Path
+    nbytes: int  # file size
+    bpw: float  # bits per weight over the selected tensors (what the assignment priced)
+    file_bpw: float  # bits per weight of every tensor in the file
+    tensor_type_file: Path
+    f32_gguf: Path | None = None
+    types: dict[str, int] = field(default_factory=dict)  # ggml type → tensor count
+
+
+def canonical_name(model: str, percent: int) -> str:
+    """``<Model>.Voodoo<NN>_<BADGE>.gguf``, e.g. ``Qwen3.5-0.8B.Voodoo45_IQ2_M.gguf``."""
+    return f"{model}.Voodoo{percent}_{qt.badge_for(percent)}.gguf"
+
+
+def _load_imatrix(im: Any):
+    if im is None or not isinstance(im, Path):
+        return im
+    from .. import imatrix
+
+    return imatrix.load(im)
+
+
+def _hf_dir_with_weights(model: Path, pt: Path, tmp: Path) -> Path:
+    """A temporary HF dir: the model's config/tokenizer files + the .pt's weights as safetensors."""
+    import torch
+    from safetensors.torch import save_file
+
+    from ..layout import _checkpoint_tensors
+
+    out = tmp / model.name
+    out.mkdir()
+    for f in model.iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
+            (out / f.name).symlink_to(f.resolve())
+    sd = fileio.torch_load(pt, what="base checkpoint")
+    if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+        raise CorruptFileError(f"{pt} is not a state dict of tensors")
+    known = _checkpoint_tensors(model)
+    stripped = {re.sub(r"^model\.language_model\.", "model.", k): k for k in known}
+    tensors = {}
+    for k, v in sd.items():
+        name = k if k in known else stripped.get(k)
+        if name is None:
+            alt = re.sub(r"^model\.", "model.language_model.", k)
+            name = alt if alt in known else None
+        if name is None:
+            continue  # e.g. a tied lm_head the checkpoint does not store
+        if tuple(v.shape) != known[name]:
+            raise CorruptFileError(f"{pt}: {k} has shape {tuple(v.shape)}, the model has {known[name]}")
+        tensors[name] = v.detach().to("cpu").contiguous()
+    missing = sorted(set(known) - set(tensors))
+    if missing:
+        raise CorruptFileError(f"{pt} lacks {len(missing)} tensor(s) of {model}, e.g. {missing[0]}")
+    save_file(tensors, str(out / "model.safetensors"))
+    return out
+
+
+def _selected(asg: Assignment, model_dir: Path) -> tuple[dict[str, str], dict[str, str]]:
+    """({GGUF name: ggml type}, {HF name: GGUF name}) of the assignment; missing GGUF names are
+    resolved through the layout map."""
+    layouts = None
+    out: dict[str, str] = {}
+    names: dict[str, str] = {}
+    for t in asg.tensors.values():
+        name = t.gguf_name
+        if name is None:
+            layouts = layouts if layouts is not None else model_layouts(model_dir)
+            lay = find_layout(layouts, t.name)
+            if lay is None:
+                raise ConfigError(f"assignment tensor {t.name} has no exact GGUF counterpart in {model_dir}")
+            name = lay.gguf_name
+        out[name] = qt.get(t.qtype).name
+        names[t.name] = name
+    return out, names
+
+
+def _ftype(counts: dict[str, int]) -> int:
+    dominant = max(counts.items(), key=lambda kv: kv[1])[0]
+    return qt.LLAMA_FTYPES[_TYPE_TO_FTYPE[dominant]]
+
+
+def _copy_kv(reader, writer, gguf) -> None:
+    for f in reader.fields.values():
+        if f.name.startswith(_SKIP_KEYS) or f.name.startswith(("general.file_type", "quantize.imatrix.")):
+            continue
+        vtype = f.types[0]
+        sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        if vtype == gguf.GGUFValueType.ARRAY and len(f.types) > 2:
+            raise CorruptFileError(f"nested GGUF arrays are not supported (key {f.name})")
+        writer.add_key_value(f.name, f.contents(), vtype, sub_type=sub)
+
+
+def export(cfg: ExportConfig) -> ExportResult:
+    asg = cfg.assignment if isinstance(cfg.assignment, Assignment) else Assignment.load(cfg.assignment)
+    if not asg.tensors:
+        raise ConfigError("the assignment selects no tensor")
+    out_path = cfg.output_dir / cfg.file_name()
+    if out_path.exists() and not cfg.overwrite:
+        raise fileio.OutputExistsError(f"{out_path} exists; pass --overwrite to replace it")
+    imat = _load_imatrix(cfg.imatrix)
+    gguf = converter.vendored_gguf()
+    lib = ggml.lib()
+
+    with tempfile.TemporaryDirectory(prefix="voodoo-export-") as tmpd:
+        tmp = Path(tmpd)
+        model_dir = cfg.model if cfg.base_checkpoint is None else _hf_dir_with_weights(cfg.model, cfg.base_checkpoint, tmp)
+        selected, gguf_names = _selected(asg, cfg.model)
+        f32_path = converter.convert(model_dir, tmp / "model-f32.gguf", outtype="f32")
+        reader = gguf.GGUFReader(f32_path)
+        present = {t.name for t in reader.tensors}
+        unknown = sorted(set(selected) - present)
+        if unknown:
+            raise ConfigError(f"assignment names {len(unknown)} tensor(s) not in the converted GGUF, e.g. {unknown[0]}")
+
+        # Plan every tensor first: the header (tensor infos) precedes the data.
+        plan = []  # (reader tensor, qtype or None)
+        counts: dict[str, int] = {}
+        n_sel = n_all = sel_bytes = all_bytes = 0
+        for t in reader.tensors:
+            shape = tuple(int(s) for s in reversed(t.shape.tolist()))  # numpy order
+            n = int(np.prod(shape, dtype=np.int64))
+            q = selected.get(t.name)
+            if q is not None:
+                if not llama_quantize_allows(t.name, len(shape)):
+                    raise ConfigError(f"{t.name}: llama-quantize never quantizes this tensor; it cannot take {q}")
+                if not qt.get(q).fits(shape[-1]):
+                    raise QuantizationInputError(
+                        f"{t.name}: row size ({shape[-1]}) is not a multiple of {q} block size ({qt.get(q).block}); "
+                        f"llama-quantize would write {qt.resolve_for_row(q, shape[-1]).name}"
+                    )
+                nbytes = qt.tensor_bytes(q, shape)
+                n_sel += n
+                sel_bytes += nbytes
+            else:
+                nbytes = int(t.n_bytes)
+            name_t = q or t.tensor_type.name
+            if q is not None or name_t not in ("F32",):
+                counts[name_t] = counts.get(name_t, 0) + 1
+            n_all += n
+            all_bytes += nbytes
+            plan.append((t, shape, q, nbytes))
+
+        file_bpw = 8.0 * all_bytes / max(1, n_all)
+        bpw = 8.0 * sel_bytes / max(1, n_sel)
+
+        def write(path: Path) -> None:
+            w = gguf.GGUFWriter(path, reader.fields["general.architecture"].contents())
+            _copy_kv(reader, w, gguf)
+            w.add_file_type(_ftype(counts))
+            if imat is not None:
+                # tools/quantize/quantize.cpp writes these four when given an imatrix.
+                src = getattr(imat, "source", None) or cfg.imatrix
+                w.add_string("quantize.imatrix.file", str(src)[:127])
+                if getattr(imat, "datasets", None):
+                    w.add_string("quantize.imatrix.dataset", imat.datasets[0][:127])
+                w.add_int32("quantize.imatrix.entries_count", len(imat.entries))
+                if getattr(imat, "chunk_count", 0) > 0:
+                    w.add_int32("quantize.imatrix.chunks_count", int(imat.chunk_count))
+            w.add_float32("voodoo.bpw", float(bpw))
+            w.add_float32("voodoo.file_bpw", float(file_bpw))
+            if cfg.size_percent is not None:
+                w.add_uint32("voodoo.size_percent", int(cfg.size_percent))
+                w.add_string("voodoo.badge", qt.badge_for(cfg.size_percent))
+            for t, shape, q, nbytes in plan:
+                if q is None:
+                    w.add_tensor_info(t.name, t.data.shape, t.data.dtype, nbytes, raw_dtype=t.tensor_type)
+                else:
+                    row_bytes = qt.get(q).row_bytes(shape[-1])
+                    rows = nbytes // row_bytes
+                    w.add_tensor_info(t.name, (rows, row_bytes), np.dtype(np.uint8), nbytes,
+                                      raw_dtype=gguf.GGMLQuantizationType(qt.get(q).id))
+            w.write_header_to_file()
+            w.write_kv_data_to_file()
+            w.write_ti_data_to_file()
+            for t, shape, q, nbytes in plan:  # streamed: one tensor in memory at a time
+                if q is None:
+                    w.write_tensor_data(np.asarray(t.data))
+                    continue
+                if t.tensor_type != gguf.GGMLQuantizationType.F32:
+                    raise CorruptFileError(f"{t.name}: converter wrote {t.tensor_type.name}, expected F32")
+                w2 = np.ascontiguousarray(np.asarray(t.data, dtype=np.float32).reshape(-1, shape[-1]))
+                vec = imat.get_vector(t.name, shape[-1]) if imat is not None else None
+                data = lib.quantize(w2, q, vec, name=t.name, workers=cfg.workers)
+                w.write_tensor_data(np.frombuffer(data, dtype=np.uint8))
+            w.close()
+
+        fileio.write_with(out_path, write, overwrite=cfg.overwrite)
+        f32_keep = None
+        if cfg.keep_f32:
+            f32_keep = out_path.with_name(out_path.stem + ".f32.gguf")
+            shutil.move(str(f32_path), f32_keep)
+        del reader
+
+    ttf = out_path.with_name(out_path.stem + ".tensor-types.txt")
+    asg_named = Assignment(
+        tensors={k: dataclasses.replace(v, gguf_name=gguf_names[v.name]) for k, v in asg.tensors.items()},
+        model=asg.model, imatrix=asg.imatrix, imatrix_sha256=asg.imatrix_sha256,
+        target_bytes=asg.target_bytes, meta=asg.meta,
+    ) if any(v.gguf_name is None for v in asg.tensors.values()) else asg
+    asg_named.save_tensor_types(ttf)
+    return ExportResult(
+        path=out_path, nbytes=out_path.stat().st_size, bpw=bpw, file_bpw=file_bpw,
+        tensor_type_file=ttf, f32_gguf=f32_keep, types=dict(sorted(counts.items())),
+    )
+
