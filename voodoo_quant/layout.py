@@ -122,6 +122,32 @@ class TensorLayout:
         return np.ascontiguousarray(g2).reshape(self.hf_shape)
 
 
+    def from_gguf_torch(self, g: Any) -> Any:
+        """:meth:`from_gguf` in torch, on the tensor's own device (lazy candidates on a GPU)."""
+        import torch
+
+        if self.is_identity:
+            return g.reshape(self.hf_shape)
+        dev = g.device
+        if self.gather is not None:
+            out = torch.empty(g.numel(), dtype=g.dtype, device=dev)
+            out[torch.as_tensor(self.gather, device=dev)] = g.reshape(-1)
+            return out.reshape(self.hf_shape)
+        r, c = self.hf2d_shape
+        g2 = g.reshape((c, r) if self.transposed else (r, c))
+        if self.cols is not None:
+            inv = torch.empty_like(g2)
+            inv[:, torch.as_tensor(self.cols, device=dev)] = g2
+            g2 = inv
+        if self.rows is not None:
+            inv = torch.empty_like(g2)
+            inv[torch.as_tensor(self.rows, device=dev)] = g2
+            g2 = inv
+        if self.transposed:
+            g2 = g2.T
+        return g2.contiguous().reshape(self.hf_shape)
+
+
 def _as_numpy(t: Any) -> np.ndarray:
     if hasattr(t, "detach"):
         t = t.detach().to("cpu")

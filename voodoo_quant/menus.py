@@ -26,6 +26,8 @@ _TABLE_ORDER = {name: i for i, name in enumerate(qt.QTYPES)}
 def _norm_types(types: Iterable[str] | None, flag: str) -> tuple[str, ...] | None:
     if types is None:
         return None
+    if isinstance(types, str):
+        types = [types]
     out = []
     for t in types:
         for part in str(t).replace(",", " ").split():

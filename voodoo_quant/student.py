@@ -95,7 +95,55 @@ def selectable_weights(model: nn.Module) -> dict[str, tuple[nn.Parameter, list[s
     return {name: (w, mods) for name, w, mods in by_id.values()}
 
 
-LayoutProvider = Callable[[str, tuple[int, ...]], Layout]
+LayoutProvider = Callable[[str, tuple[int, ...]], "Layout | None"]
+
+
+@dataclass
+class ConverterLayout:
+    """A :class:`voodoo_quant.layout.TensorLayout` (learned from llama.cpp's converter) seen
+    through the :class:`Layout` protocol: the GGUF name, rows and row length are the converter's,
+    and candidates are mapped back to the HF layout by the exact inverse permutation."""
+
+    inner: object  # TensorLayout
+
+    @property
+    def gguf_name(self) -> str:
+        return self.inner.gguf_name
+
+    @property
+    def rows(self) -> int:
+        return self.inner.n_rows
+
+    @property
+    def n_per_row(self) -> int:
+        return self.inner.n_per_row
+
+    def to_gguf(self, w: torch.Tensor) -> np.ndarray:
+        return self.inner.to_gguf(w.detach().to(torch.float32).cpu())
+
+    def from_gguf(self, m: torch.Tensor) -> torch.Tensor:
+        return self.inner.from_gguf_torch(m)
+
+
+def converter_layouts(model_dir: str) -> LayoutProvider | None:
+    """A layout provider from llama.cpp's own converter for `model_dir`, or None when the
+    converter does not know the model (then rows are taken as they are; export is impossible)."""
+    from .layout import find_layout, model_layouts
+
+    try:
+        layouts = model_layouts(model_dir)
+    except Exception as e:  # the converter refuses the architecture, or no HF dir
+        log.warning("llama.cpp's converter cannot map %s (%s); using the weights' own rows", model_dir,
+                    (str(e).splitlines() or [type(e).__name__])[0])
+        return None
+
+    def provider(name: str, shape: tuple[int, ...]):
+        lay = find_layout(layouts, name)
+        if lay is None or not lay.quantizable:
+            return None  # the converter drops it or llama-quantize never quantizes it
+        return ConverterLayout(lay)
+
+    return provider
 
 
 def plan_model(
@@ -112,6 +160,9 @@ def plan_model(
     for name, (w, mods) in selectable_weights(model).items():
         shape = tuple(int(s) for s in w.shape)
         layout = layout_for(name, shape) if layout_for else IdentityLayout(adapter.gguf_name(name), shape)
+        if layout is None:
+            log.info("%s: not selectable (no GGUF tensor llama-quantize would quantize)", name)
+            continue
         role = "attention" if adapter.is_attention(name) else "other"
         has_im = layout.gguf_name is not None and layout.gguf_name in covered
         menu = build_menu(menus.types_for(role), layout.n_per_row, has_im)
@@ -173,6 +224,22 @@ def candidate_bytes(
         use = vec if vec is not None and not q.is_float else None
         out.append(quantize(m, t, use, plan.name))
     return out
+
+
+def candidate_jobs(plans: Sequence[TensorPlan], weights: Mapping[str, torch.Tensor],
+                   imatrix: Mapping[str, np.ndarray] | None) -> list:
+    """One cache-build job per (tensor, menu rung), with the tensor's GGUF-layout matrix."""
+    from .precache import CandidateJob
+
+    jobs = []
+    for plan in plans:
+        w = weights[plan.name]
+        vec = imatrix.get(plan.gguf_name) if imatrix is not None and plan.gguf_name is not None else None
+        provider = (lambda lay=plan.layout, w=w: lay.to_gguf(w))
+        for t in plan.menu.types:
+            use = vec if vec is not None and not qt.get(t).is_float else None
+            jobs.append(CandidateJob(plan.name, t, provider=provider, imatrix=use))
+    return jobs
 
 
 def build_mixed(

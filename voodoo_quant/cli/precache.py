@@ -1,16 +1,34 @@
-"""`voodoo precache`: not built yet in this version."""
+"""`voodoo precache`: parse flags into a PrecacheConfig and build the candidate cache."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import typer
 
-from ..errors import NotBuiltYetError
-from .common import report_errors
+from .common import console, report_errors
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("precache", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+    @app.command("precache")
     @report_errors
-    def _cmd() -> None:
-        """Not built yet in this version."""
-        raise NotBuiltYetError("`voodoo precache` is not built yet in this version")
+    def precache(
+        model: str = typer.Option(..., "--model", help="HF checkpoint dir."),
+        base_checkpoint: Optional[str] = typer.Option(None, "--base_checkpoint", help="Base .pt state dict replacing the checkpoint's weights."),
+        text_model_class: Optional[str] = typer.Option(None, "--text_model_class", help="Text-only class of a multimodal wrapper."),
+        candidate_types: Optional[str] = typer.Option(None, "--candidate_types", help="Default menu (space or comma separated)."),
+        attention_candidates: Optional[str] = typer.Option(None, "--attention_candidates", help="Menu of the attention family."),
+        non_attention_candidates: Optional[str] = typer.Option(None, "--non_attention_candidates", help="Menu of every other tensor."),
+        imatrix: Optional[str] = typer.Option(None, "--imatrix", help="llama.cpp imatrix (GGUF or legacy .dat)."),
+        workers: Optional[int] = typer.Option(None, "--workers", help="Worker processes (default VOODOO_QUANT_WORKERS, else all cores)."),
+    ) -> None:
+        """Build the candidate cache for a model and its menus ahead of training."""
+        from ..tools.precache import PrecacheConfig, precache as run
+
+        cfg = PrecacheConfig(model, base_checkpoint, text_model_class, candidate_types, attention_candidates,
+                             non_attention_candidates, imatrix, workers)
+        rep = run(cfg)
+        console.print(
+            f"candidates: {rep.cached + rep.built} ({rep.cached} already cached, {rep.built} built, "
+            f"{rep.bytes_built / 1e6:,.1f} MB written) in {rep.seconds:.1f} s"
+        )

@@ -70,7 +70,7 @@ def register(app: typer.Typer) -> None:
         from ..training.trainer import Trainer
 
         cfg = build_config(**{k: v for k, v in locals().items() if k in _FIELDS})
-        trainer = Trainer(cfg)
+        trainer = Trainer(cfg, progress=True)
         if dry_run:
             trainer.prepare(build=False)
             print_dry_run(console, trainer.run)

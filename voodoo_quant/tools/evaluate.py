@@ -25,7 +25,7 @@ from typing import Any, Sequence
 
 from .. import envs, fileio
 from ..errors import ConfigError, ToolFailedError
-from .llama_tools import gguf_tensor_stats, run_tool
+from .llama_tools import gguf_tensor_stats, last_error_line, run_tool
 
 # -- statistics --------------------------------------------------------------------------------
 
@@ -154,7 +154,7 @@ def parse_kld_report(text: str) -> dict[str, float]:
         m = re.search(pat, text, re.MULTILINE)
         if m is None:
             raise ToolFailedError(
-                f"llama-perplexity printed no '{pat.split(chr(92))[0].lstrip('^')}' line; the text may be too "
+                f"llama-perplexity printed no {key} statistic ({last_error_line(text)}); the text may be too "
                 "short for KL statistics (>= 100 scored tokens needed): lower -c or give more text"
             )
         out[key] = float(m.group(1))
@@ -164,7 +164,8 @@ def parse_kld_report(text: str) -> dict[str, float]:
 def parse_final_ppl(text: str) -> float:
     m = re.search(rf"Final estimate: PPL = {_NUM}", text)
     if m is None:
-        raise ToolFailedError("llama-perplexity printed no 'Final estimate: PPL' line")
+        # llama-perplexity exits 0 on some failures (e.g. an unwritable --kl-divergence-base)
+        raise ToolFailedError(f"llama-perplexity printed no 'Final estimate: PPL' line: {last_error_line(text)}")
     return float(m.group(1))
 
 
@@ -222,6 +223,7 @@ def evaluate_ggufs(cfg: GGUFEvalConfig, progress: bool = True) -> dict[str, Any]
 
     with tempfile.TemporaryDirectory(prefix="voodoo-eval-") as tmp:
         work = Path(cfg.work_dir) if cfg.work_dir else Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
         text = Path(cfg.text) if cfg.text else detokenize(cfg.eval_tokens, cfg.tokenizer or cfg.reference, work / "eval_text.txt")
         base = work / "base.kld"
         rows: list[EvalRow] = []

@@ -152,24 +152,31 @@ def plan_run(cfg: TrainConfig, model: nn.Module, imx=None) -> tuple[ArchAdapter,
 
 
 def _layout_provider(cfg: TrainConfig, adapter: ArchAdapter):
-    """The converter-derived layout map when the adapter offers one, else identity rows."""
-    provider = getattr(adapter, "layout_provider", None)
-    return provider(cfg.model) if callable(provider) else None
+    """The layout map learned from llama.cpp's converter (GGUF names, rows, permutations)."""
+    from ..student import converter_layouts
+
+    return converter_layouts(cfg.model)
 
 
 def build_student(
     cfg: TrainConfig, base: nn.Module, plans: list[TensorPlan], budget: Budget, vectors: dict[str, np.ndarray],
-    device: torch.device, dtype: torch.dtype, quantize=None,
+    device: torch.device, dtype: torch.dtype, quantize=None, progress: bool = False,
 ) -> dict[str, MixedQuant]:
     """Quantize every candidate (through the cache), attach the gates; returns them by name."""
     from ..cache import CandidateCache
+    from ..precache import build_all
+    from ..student import candidate_jobs
 
     cache = CandidateCache()
-    q = quantize or (lambda m, t, v, n: cache.get_or_build(m, t, v, name=n))
-    weights = selectable_weights(base)
-    # Candidates are quantized from the float32 weights before anything is cast.
-    blobs = {plan.name: candidate_bytes(plan, weights[plan.name][0], vectors, q) for plan in plans}
+    weights = {n: w for n, (w, _) in selectable_weights(base).items()}
+    if quantize is None:
+        # Every candidate through the on-disk cache, built in parallel (one long-lived pool).
+        report = build_all(candidate_jobs(plans, weights, vectors), cache, progress=progress)
+        blobs = {p.name: [report.paths[(p.name, t)].read_bytes() for t in p.menu.types] for p in plans}
+    else:
+        blobs = {p.name: candidate_bytes(p, weights[p.name], vectors, quantize) for p in plans}
     del weights
+    # Candidates are quantized from the float32 weights before anything is cast.
     base.to(device=device, dtype=dtype)
     target_bpw = budget.bpw(budget.train_target_bytes)
     mixed = {

@@ -93,9 +93,11 @@ def distill_losses(s_logits: torch.Tensor, t_logits: torch.Tensor, ids: torch.Te
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, *, on_step: Callable[[StepMetrics], None] | None = None):
+    def __init__(self, cfg: TrainConfig, *, on_step: Callable[[StepMetrics], None] | None = None,
+                 progress: bool = False):
         self.cfg = tiny(cfg)
         self.on_step = on_step
+        self.progress = progress
         self.run: RunSetup | None = None
 
     # -- setup -------------------------------------------------------------------------------
@@ -111,7 +113,7 @@ class Trainer:
         vectors = imatrix_vectors(imx, plans)
         mixed = {}
         if build:
-            mixed = build_student(cfg, base, plans, budget, vectors, device, dtype)
+            mixed = build_student(cfg, base, plans, budget, vectors, device, dtype, progress=self.progress)
             teacher.to(device)
             if cfg.gradient_checkpointing and hasattr(base, "gradient_checkpointing_enable"):
                 base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
