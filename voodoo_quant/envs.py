@@ -28,6 +28,8 @@ VARIABLES: tuple[EnvVar, ...] = (
     EnvVar("VOODOO_QUANT_WORKERS", "threads/processes for ggml quantization; default: CPU count"),
     EnvVar("VOODOO_FINALIZE_WORKERS", "workers for bake/export quantization; default: VOODOO_QUANT_WORKERS"),
     EnvVar("VOODOO_TINY_RECIPE", "1 shrinks every run (steps, sequences) for fast tests", "0"),
+    EnvVar("VOODOO_FAULT_AT", "tests only: SIGKILL the process at a named point, e.g. step:3, bake, "
+           "write:partial.pt:2, export:tensor:5 (the n-th hit, default 1); never set it otherwise"),
 )
 _KNOWN = {v.name for v in VARIABLES}
 
@@ -89,6 +91,17 @@ def tiny_recipe(env: Mapping[str, str] | None = None) -> bool:
     if raw not in ("0", "1"):
         raise EnvironmentVarError(f"VOODOO_TINY_RECIPE={raw!r} must be 0 or 1")
     return raw == "1"
+
+
+def fault_at(env: Mapping[str, str] | None = None) -> tuple[str, int] | None:
+    """(point, n) of VOODOO_FAULT_AT: die at the n-th time `point` is reached."""
+    raw = _get("VOODOO_FAULT_AT", env)
+    if raw is None:
+        return None
+    point, _, n = raw.rpartition(":")
+    if point and n.isdigit() and int(n) >= 1:
+        return point, int(n)
+    return raw, 1
 
 
 def describe(env: Mapping[str, str] | None = None) -> list[tuple[str, str | None, str]]:

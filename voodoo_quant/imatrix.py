@@ -254,8 +254,11 @@ def load(path: str | Path) -> Imatrix:
         raise CorruptFileError(f"imatrix {path} does not exist") from None
     try:
         im = _parse_gguf(raw) if raw[:4] == _GGUF_MAGIC else _parse_dat(raw)
-    except (struct.error, ValueError, IndexError, KeyError, UnicodeDecodeError) as e:
-        raise CorruptFileError(f"imatrix {path} is truncated or malformed: {e}") from None
+    except (struct.error, ValueError, IndexError, KeyError, UnicodeDecodeError, TypeError, ZeroDivisionError,
+            OverflowError, RecursionError, MemoryError) as e:
+        # TypeError: a metadata value of the wrong GGUF type; ZeroDivisionError: alignment 0;
+        # RecursionError: arrays nested without end (tests/test_fuzz_readers.py).
+        raise CorruptFileError(f"imatrix {path} is truncated or malformed: {type(e).__name__}: {e}") from None
     except CorruptFileError as e:
         raise CorruptFileError(f"imatrix {path}: {e}") from None
     im.source = path

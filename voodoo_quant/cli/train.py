@@ -15,6 +15,7 @@ O = "Optimization"
 D = "Data and outputs"
 H = "Hardware"
 J = "Journal"
+X = "Beyond the soft mixture"
 
 
 def build_config(**kw):
@@ -64,6 +65,20 @@ def register(app: typer.Typer) -> None:
         partial_save_interval: int = typer.Option(10, "--partial_save_interval", help="Write the journal every N steps.", rich_help_panel=J),
         resume: bool = typer.Option(True, "--resume/--no_resume", help="Resume from the journal in --output_dir if present.", rich_help_panel=J),
         dry_run: bool = typer.Option(False, "--dry_run", help="Print every tensor's menu, bytes and the size range; train nothing.", rich_help_panel=J),
+        method: str = typer.Option("gates", "--method", help="gates: train the gates; sensitivity: greedy knapsack over the sensitivity table only (no training).", rich_help_panel=X),
+        ptqr: bool = typer.Option(False, "--ptqr", help="Per-token routing: each token through one candidate sampled from the gates; straight-through gate gradient.", rich_help_panel=X),
+        st_gumbel_fraction: float = typer.Option(0.0, "--st_gumbel_fraction", help="Last fraction of steps with straight-through Gumbel hardening (one candidate per tensor; exclusive with --ptqr).", rich_help_panel=X),
+        st_gumbel_tau: float = typer.Option(0.5, "--st_gumbel_tau", help="Temperature of the straight-through Gumbel softmax.", rich_help_panel=X),
+        warm_start: bool = typer.Option(False, "--warm_start", help="Start the gates on the sensitivity knapsack's layout.", rich_help_panel=X),
+        warm_start_mass: float = typer.Option(0.9, "--warm_start_mass", help="Probability of the layout's rung at step 0 under --warm_start.", rich_help_panel=X),
+        sensitivity_sequences: int = typer.Option(4, "--sensitivity_sequences", help="Calibration sequences of the sensitivity table (first N of the tokens file).", rich_help_panel=X),
+        polish: bool = typer.Option(False, "--polish", help="After the bake: one-rung moves ranked by measured benefit per byte, inside the dead zone.", rich_help_panel=X),
+        loss_chunk_size: int = typer.Option(4096, "--loss_chunk_size", help="Tokens per LM-head chunk of CE/KL (exact; 0: whole logits).", rich_help_panel=O),
+        grad_accum_steps: int = typer.Option(1, "--grad_accum_steps", help="Micro-batches of --batch_size per optimizer step.", rich_help_panel=O),
+        teacher_device: Optional[str] = typer.Option(None, "--teacher_device", help="Device of the teacher (default: --device), e.g. cpu.", rich_help_panel=H),
+        log_file: Optional[str] = typer.Option(None, "--log_file", help="JSONL run log, one line per step (default: <output_dir>/train_log.jsonl).", rich_help_panel=J),
+        finalize_from_partial: Optional[str] = typer.Option(None, "--finalize_from_partial", help="Redo only the bake from this journal (partial.pt); no training.", rich_help_panel=J),
+        resume_from_partial: Optional[str] = typer.Option(None, "--resume_from_partial", help="Resume training from this journal instead of <output_dir>/partial.pt.", rich_help_panel=J),
     ) -> None:
         """Train the gates under the size budget, bake, and write the assignment."""
         from ..training.report import print_dry_run, print_result, progress_reporter
@@ -88,5 +103,7 @@ _FIELDS = {
     "attention_candidates", "non_attention_candidates", "imatrix", "seq_len", "batch_size", "max_steps", "lr",
     "distill_weight", "tau_start", "tau_end", "seed", "data_dir", "data_name", "output_dir", "output_name", "device",
     "dtype", "lazy", "gradient_checkpointing", "no_compile", "tensor_parallel", "device_map", "partial_save_interval",
-    "resume", "dry_run",
+    "resume", "dry_run", "method", "ptqr", "st_gumbel_fraction", "st_gumbel_tau", "warm_start", "warm_start_mass",
+    "sensitivity_sequences", "polish", "loss_chunk_size", "grad_accum_steps", "teacher_device", "log_file",
+    "finalize_from_partial", "resume_from_partial",
 }

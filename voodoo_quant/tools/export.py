@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import converter, fileio, ggml
+from .. import converter, faults, fileio, ggml
 from .. import qtypes as qt
 from ..assignment import Assignment
 from ..errors import ConfigError, CorruptFileError, QuantizationInputError
@@ -75,6 +75,9 @@ class ExportConfig:
             raise ConfigError("give --output_name or --size_percent (for the canonical Voodoo<NN>_<BADGE> name)")
         if self.output_name is not None and not self.output_name.endswith(".gguf"):
             raise ConfigError(f"--output_name {self.output_name!r} must end in .gguf")
+        for flag, v in (("--output_name", self.output_name), ("--model_name", self.model_name)):
+            if v is not None and not _bare_name(v):
+                raise ConfigError(f"{flag} {v!r} must be a plain file name: no directories, it may not leave --output_dir")
 
     def file_name(self) -> str:
         if self.output_name:
@@ -91,6 +94,37 @@ class ExportResult:
     tensor_type_file: Path
     f32_gguf: Path | None = None
     types: dict[str, int] = field(default_factory=dict)  # ggml type → tensor count
+
+
+def _bare_name(name: str) -> bool:
+    return bool(name) and name not in (".", "..") and "/" not in name and "\\" not in name and "\0" not in name
+
+
+def _checkpoint_elements(model: Path) -> int:
+    """Number of weights in the checkpoint's safetensors, from their headers alone."""
+    import json
+    import struct
+
+    n = 0
+    for f in sorted(model.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            try:
+                (size,) = struct.unpack("<Q", fh.read(8))
+                header = json.loads(fh.read(size))
+            except (struct.error, ValueError, MemoryError) as e:
+                raise CorruptFileError(f"{f} is not a safetensors file: {e}") from None
+        n += sum(int(np.prod(v["shape"], dtype=np.int64)) for k, v in header.items() if k != "__metadata__")
+    return n
+
+
+def check_space(cfg: ExportConfig, asg: Assignment, out_path: Path) -> None:
+    """Before converting: room for the converter's F32 GGUF (temp dir) and for the output."""
+    n_all = _checkpoint_elements(cfg.model)
+    n_sel = sum(int(np.prod(t.shape, dtype=np.int64)) for t in asg.tensors.values())
+    tmp_need = 4 * n_all * (2 if cfg.base_checkpoint is not None else 1)  # F32 GGUF (+ safetensors copy)
+    fileio.ensure_free_space(tempfile.gettempdir(), tmp_need, what="the converter's temporary F32 GGUF")
+    out_need = asg.total_bytes + 4 * max(0, n_all - n_sel) + (1 << 20)  # + unselected F32 tensors, metadata
+    fileio.ensure_free_space(out_path.parent, out_need, what=f"the GGUF {out_path.name}")
 
 
 def canonical_name(model: str, percent: int) -> str:
@@ -183,6 +217,9 @@ def export(cfg: ExportConfig) -> ExportResult:
     out_path = cfg.output_dir / cfg.file_name()
     if out_path.exists() and not cfg.overwrite:
         raise fileio.OutputExistsError(f"{out_path} exists; pass --overwrite to replace it")
+    fileio.ensure_writable(cfg.output_dir)
+    fileio.remove_stale_temps(cfg.output_dir, (out_path.name,))  # left by an export killed mid-write
+    check_space(cfg, asg, out_path)
     imat = _load_imatrix(cfg.imatrix)
     gguf = converter.vendored_gguf()
     lib = ggml.lib()
@@ -259,6 +296,7 @@ def export(cfg: ExportConfig) -> ExportResult:
             w.write_kv_data_to_file()
             w.write_ti_data_to_file()
             for t, shape, q, nbytes in plan:  # streamed: one tensor in memory at a time
+                faults.hit("export:tensor")
                 if q is None:
                     w.write_tensor_data(np.asarray(t.data))
                     continue

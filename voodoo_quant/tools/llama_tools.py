@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Sequence
 
 from .. import paths
-from ..errors import ToolFailedError
+from ..errors import CorruptFileError, ToolFailedError
 
 
 @dataclass(frozen=True)
@@ -63,5 +63,13 @@ def gguf_tensor_stats(path: str | Path) -> tuple[int, int]:
     """(tensor data bytes, weights) of a GGUF file, read from its header by gguf-py."""
     from gguf import GGUFReader
 
-    r = GGUFReader(str(path))
-    return sum(int(t.n_bytes) for t in r.tensors), sum(int(t.n_elements) for t in r.tensors)
+    try:
+        r = GGUFReader(str(path))
+        return sum(int(t.n_bytes) for t in r.tensors), sum(int(t.n_elements) for t in r.tensors)
+    except FileNotFoundError:
+        raise CorruptFileError(f"GGUF file {path} does not exist") from None
+    except Exception as e:  # noqa: BLE001
+        # gguf-py raises whatever a damaged header makes it hit (ValueError, IndexError, KeyError,
+        # numpy errors, ...: tests/test_fuzz_readers.py); the file is the cause in every case.
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise CorruptFileError(f"GGUF file {path} is truncated or malformed: {type(e).__name__}: {first}") from None

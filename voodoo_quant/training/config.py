@@ -14,6 +14,7 @@ from ..errors import ConfigError
 from ..menus import DEFAULT_CANDIDATES, MenuConfig, parse_upgrades
 
 DTYPES = ("float32", "bfloat16", "float16")
+METHODS = ("gates", "sensitivity")
 
 
 def _types(v: Any) -> tuple[str, ...] | None:
@@ -73,6 +74,21 @@ class TrainConfig:
     partial_save_interval: int = 10
     resume: bool = True
     dry_run: bool = False
+    # beyond the soft mixture (issue 9): see training/{routing,sensitivity,knapsack,losses}.py
+    method: str = "gates"  # "gates" (train) or "sensitivity" (greedy knapsack only, no training)
+    ptqr: bool = False  # per-token routing: each token through one sampled candidate
+    st_gumbel_fraction: float = 0.0  # last fraction of steps with straight-through Gumbel hardening
+    st_gumbel_tau: float = 0.5
+    warm_start: bool = False  # gates start concentrated on the sensitivity knapsack's layout
+    warm_start_mass: float = 0.9  # probability of the layout's rung at step 0
+    sensitivity_sequences: int = 4  # calibration sequences for the sensitivity table
+    polish: bool = False  # knapsack polish of the baked assignment inside the dead zone
+    loss_chunk_size: int = 4096  # tokens per LM-head chunk of the losses (0: whole logits)
+    grad_accum_steps: int = 1
+    teacher_device: str | None = None  # default: --device
+    log_file: str | None = None  # JSONL run log (default: <output_dir>/train_log.jsonl)
+    finalize_from_partial: str | None = None  # redo only the bake from this journal
+    resume_from_partial: str | None = None  # resume from this journal (default: <output_dir>/partial.pt)
 
     def __post_init__(self) -> None:
         self.candidate_types = _types(self.candidate_types) or DEFAULT_CANDIDATES
@@ -109,8 +125,40 @@ class TrainConfig:
             raise ConfigError("--tensor_parallel and --device_map are exclusive: pick one way to spread the model")
         if not self.output_name.endswith(".pt"):
             raise ConfigError(f"--output_name must end in .pt, got {self.output_name!r}")
+        if "/" in self.output_name or "\\" in self.output_name or self.output_name.startswith(".."):
+            raise ConfigError(f"--output_name {self.output_name!r} must be a plain file name inside --output_dir")
+        self._validate_beyond()
         parse_upgrades(self.tensor_upgrades)  # validates JSON and regexes now, not after training
         self.menus  # validates types
+
+    def _validate_beyond(self) -> None:
+        if self.method not in METHODS:
+            raise ConfigError(f"--method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        for flag, v, lo in (("--sensitivity_sequences", self.sensitivity_sequences, 1),
+                            ("--loss_chunk_size", self.loss_chunk_size, 0),
+                            ("--grad_accum_steps", self.grad_accum_steps, 1)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+                raise ConfigError(f"{flag} must be an integer >= {lo}, got {v!r}")
+        if not 0.0 <= self.st_gumbel_fraction <= 1.0:
+            raise ConfigError(f"--st_gumbel_fraction must be in [0, 1], got {self.st_gumbel_fraction}")
+        if not self.st_gumbel_tau > 0:
+            raise ConfigError(f"--st_gumbel_tau must be > 0, got {self.st_gumbel_tau}")
+        if self.ptqr and self.st_gumbel_fraction > 0:
+            raise ConfigError("--ptqr and --st_gumbel_fraction are exclusive: pick one hard forward")
+        if not 0.0 < self.warm_start_mass < 1.0:
+            raise ConfigError(f"--warm_start_mass must be in (0, 1), got {self.warm_start_mass}")
+        if self.finalize_from_partial and self.resume_from_partial:
+            raise ConfigError("--finalize_from_partial and --resume_from_partial are exclusive")
+        if self.method == "sensitivity" and (self.finalize_from_partial or self.resume_from_partial):
+            raise ConfigError("--method sensitivity trains nothing: it takes no journal")
+
+    @property
+    def needs_sensitivity(self) -> bool:
+        return self.warm_start or self.polish or self.method == "sensitivity"
+
+    @property
+    def log_path(self) -> Path:
+        return Path(self.log_file) if self.log_file else self.out_dir / "train_log.jsonl"
 
     @property
     def menus(self) -> MenuConfig:
@@ -145,7 +193,10 @@ class TrainConfig:
 
     # Fields that do not change the result: a run may resume with different values.
     _RESULT_NEUTRAL = ("output_dir", "output_name", "partial_save_interval", "resume", "dry_run",
-                       "no_compile", "gradient_checkpointing", "device", "device_map", "lazy")
+                       "no_compile", "gradient_checkpointing", "device", "device_map", "lazy",
+                       # exact reformulations and bake-only settings: a journal stays valid across them
+                       "loss_chunk_size", "teacher_device", "log_file", "finalize_from_partial",
+                       "resume_from_partial", "polish")
 
     def result_hash(self) -> str:
         """Hash of the settings that determine the result (journal compatibility)."""

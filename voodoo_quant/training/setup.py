@@ -134,6 +134,8 @@ class RunSetup:
     imatrix_info: dict
     device: torch.device
     dtype: torch.dtype
+    sensitivity: dict[str, list[float]] | None = None  # tensor -> s per rung (training/sensitivity.py)
+    teacher_device: torch.device | None = None
 
 
 def plan_run(cfg: TrainConfig, model: nn.Module, imx=None) -> tuple[ArchAdapter, list[TensorPlan], Budget]:
@@ -161,20 +163,11 @@ def _layout_provider(cfg: TrainConfig, adapter: ArchAdapter):
 def build_student(
     cfg: TrainConfig, base: nn.Module, plans: list[TensorPlan], budget: Budget, vectors: dict[str, np.ndarray],
     device: torch.device, dtype: torch.dtype, quantize=None, progress: bool = False,
+    init_logits: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, MixedQuant]:
     """Quantize every candidate (through the cache), attach the gates; returns them by name."""
-    from ..cache import CandidateCache
-    from ..precache import build_all
-    from ..student import candidate_jobs
-
-    cache = CandidateCache()
     weights = {n: w for n, (w, _) in selectable_weights(base).items()}
-    if quantize is None:
-        # Every candidate through the on-disk cache, built in parallel (one long-lived pool).
-        report = build_all(candidate_jobs(plans, weights, vectors), cache, progress=progress)
-        blobs = {p.name: [report.paths[(p.name, t)].read_bytes() for t in p.menu.types] for p in plans}
-    else:
-        blobs = {p.name: candidate_bytes(p, weights[p.name], vectors, quantize) for p in plans}
+    blobs = candidate_blobs(plans, weights, vectors, quantize=quantize, progress=progress)
     del weights
     # Candidates are quantized from the float32 weights before anything is cast.
     base.to(device=device, dtype=dtype)
@@ -182,9 +175,23 @@ def build_student(
     mixed = {
         plan.name: build_mixed(
             plan, blobs.pop(plan.name), lazy=cfg.lazy, dtype=dtype, device=device,
-            init_logits=prior_logits(plan, target_bpw),
+            init_logits=init_logits[plan.name] if init_logits else prior_logits(plan, target_bpw),
         )
         for plan in plans
     }
     attach_all(base, plans, mixed)
     return mixed
+
+
+def candidate_blobs(plans: list[TensorPlan], weights: dict[str, torch.Tensor], vectors: dict[str, np.ndarray],
+                    *, quantize=None, progress: bool = False) -> dict[str, list[bytes]]:
+    """tensor -> the ggml bytes of every menu rung (through the on-disk cache unless `quantize`)."""
+    from ..cache import CandidateCache
+    from ..precache import build_all
+    from ..student import candidate_jobs
+
+    if quantize is not None:
+        return {p.name: candidate_bytes(p, weights[p.name], vectors, quantize) for p in plans}
+    # Every candidate through the on-disk cache, built in parallel (one long-lived pool).
+    report = build_all(candidate_jobs(plans, weights, vectors), CandidateCache(), progress=progress)
+    return {p.name: [report.paths[(p.name, t)].read_bytes() for t in p.menu.types] for p in plans}

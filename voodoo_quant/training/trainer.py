@@ -21,12 +21,13 @@ import torch
 import torch.nn.functional as F
 from torch.nn.utils import parametrize
 
-from .. import fileio
+from .. import faults, fileio
 from ..assignment import Assignment, TensorChoice
 from ..budget import size_penalty
 from ..errors import ConfigError
-from . import journal
+from . import journal, methods, routing
 from .bake import BakeResult, bake
+from .losses import distill_terms
 from .config import TrainConfig
 from .schedule import batch_indices, tau_at
 from .setup import (
@@ -49,6 +50,7 @@ class StepMetrics:
     tau: float
     gate_entropy: float
     tokens_per_s: float
+    memory_bytes: int = 0  # peak device memory (CUDA) or peak RSS (CPU) so far
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -106,49 +108,81 @@ class Trainer:
         check_scale_flags(cfg)
         device = resolve_device(cfg.device)
         dtype = TORCH_DTYPES[cfg.dtype]
-        tokens = load_tokens(cfg.data_path, cfg.seq_len) if build else torch.empty(0, 0, dtype=torch.long)
+        if build:
+            fileio.ensure_writable(cfg.out_dir)  # before minutes of loading and quantizing
+        need_tokens = build or cfg.needs_sensitivity
+        tokens = load_tokens(cfg.data_path, cfg.seq_len) if need_tokens else torch.empty(0, 0, dtype=torch.long)
         base, teacher = load_models(cfg, dtype)
+        if build:
+            check_vocab(tokens, base, cfg.data_path)
         imx = load_imatrix(cfg)
         adapter, plans, budget = plan_run(cfg, base, imx)
         vectors = imatrix_vectors(imx, plans)
         mixed = {}
-        if build:
-            mixed = build_student(cfg, base, plans, budget, vectors, device, dtype, progress=self.progress)
-            teacher.to(device)
+        self.run = RunSetup(cfg, adapter, base, teacher, tokens, plans, budget, mixed, {}, device, dtype,
+                            teacher_device=resolve_device(cfg.teacher_device) if cfg.teacher_device else device)
+        if cfg.needs_sensitivity:
+            from .sensitivity import ensure_table
+
+            self.run.sensitivity = ensure_table(cfg, base, plans, vectors, tokens, progress=self.progress)
+        if build and cfg.method == "gates":
+            check_space(cfg, plans)
+            init = methods.warm_start_logits(self.run) if cfg.warm_start else None
+            mixed.update(build_student(cfg, base, plans, budget, vectors, device, dtype, progress=self.progress,
+                                       init_logits=init))
+            teacher.to(self.run.teacher_device)
             if cfg.gradient_checkpointing and hasattr(base, "gradient_checkpointing_enable"):
                 base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
                 base.train()  # HF only checkpoints in training mode; the models have no dropout left active
                 _disable_dropout(base)
         info = {"path": cfg.imatrix, "sha256": getattr(imx, "sha256", None), "covered": len(vectors)}
-        self.run = RunSetup(cfg, adapter, base, teacher, tokens, plans, budget, mixed, info, device, dtype)
+        self.run.imatrix_info = info
         return self.run
 
     # -- training loop -----------------------------------------------------------------------
     def train(self) -> TrainResult:
+        if self.cfg.method == "sensitivity":
+            _check_writable(self.cfg.out_dir)
+            return methods.sensitivity_method(self)
+        if self.cfg.finalize_from_partial:
+            _check_writable(self.cfg.out_dir)
+            return methods.finalize_from_partial(self, self.cfg.finalize_from_partial)
         run = self.run or self.prepare()
         cfg = run.cfg
         out_dir = cfg.out_dir
         _check_writable(out_dir)
+        fileio.remove_stale_temps(out_dir, (journal.JOURNAL_NAME, LOG_NAME, "assignment.json", "tensor-types.txt",
+                                            cfg.output_name))  # left by a run killed mid-write
         gates = [m.gates for m in run.mixed.values()]
         opt = torch.optim.Adam(gates, lr=cfg.lr)
         torch.manual_seed(cfg.seed)
         start = 0
         jpath = out_dir / journal.JOURNAL_NAME
         names = set(run.mixed)
-        if jpath.exists() and cfg.resume:
-            st = journal.load(jpath, expect_hash=cfg.result_hash(), expect_names=names)
+        src = Path(cfg.resume_from_partial) if cfg.resume_from_partial else jpath
+        if cfg.resume_from_partial and not src.exists():
+            raise ConfigError(f"--resume_from_partial: no journal at {src}")
+        if src.exists() and (cfg.resume or cfg.resume_from_partial):
+            st = journal.load(src, expect_hash=cfg.result_hash(), expect_names=names)
             with torch.no_grad():
                 for n, g in st.gates.items():
                     run.mixed[n].gates.copy_(g)
             opt.load_state_dict(st.optimizer)
             torch.set_rng_state(st.rng)
             start = st.step
-            log.info("resuming from %s at step %d", jpath, start)
-        history = _read_log(out_dir / LOG_NAME, start)
+            log.info("resuming from %s at step %d", src, start)
+        if cfg.ptqr or cfg.st_gumbel_fraction > 0:
+            skipped = routing.unroutable(run.student)
+            if skipped:
+                log.warning("routing keeps the soft mixture for %d layer(s) with their own forward: %s",
+                            len(skipped), ", ".join(skipped[:4]))
+        cfg.log_path.parent.mkdir(parents=True, exist_ok=True)
+        history = _read_log(cfg.log_path, start)
         for step in range(start, cfg.max_steps):
             m = self._step(run, opt, step)
+            faults.hit("step")  # tests: killed after the update, before the log and the journal
             history.append(m)
-            _append_log(out_dir / LOG_NAME, m, truncate=(step == start))
+            _append_log(cfg.log_path, m, truncate=(step == start))
             if self.on_step:
                 self.on_step(m)
             done = step + 1
@@ -168,17 +202,23 @@ class Trainer:
         tau = tau_at(step, cfg.max_steps, cfg.tau_start, cfg.tau_end)
         for mq in run.mixed.values():
             mq.tau = tau
-        ids = run.tokens[batch_indices(step, cfg.batch_size, run.tokens.shape[0], cfg.seed)].to(run.device)
-        with torch.no_grad():
-            t_logits = run.teacher(input_ids=ids).logits
         opt.zero_grad(set_to_none=True)
-        with parametrize.cached():
-            s_logits = run.student(input_ids=ids).logits
-        ce, kl = distill_losses(s_logits, t_logits, ids)
+        router = routing.router_for(cfg, step)
+        acc_n, ce, kl, n_tok = cfg.grad_accum_steps, 0.0, 0.0, 0
+        for micro in range(acc_n):  # micro-batch j of step s is batch s·A + j of the seeded order
+            pos = step * acc_n + micro
+            ids = run.tokens[batch_indices(pos, cfg.batch_size, run.tokens.shape[0], cfg.seed)].to(run.device)
+            with routing.routed(run.student, router):  # backward inside: checkpoint recomputes route too
+                with parametrize.cached():
+                    ce_m, kl_m = distill_terms(run.student, run.teacher, ids, chunk_tokens=cfg.loss_chunk_size,
+                                               teacher_device=run.teacher_device, router=router)
+                ((ce_m + cfg.distill_weight * kl_m) / acc_n).backward()
+            ce, kl, n_tok = ce + float(ce_m.detach()) / acc_n, kl + float(kl_m.detach()) / acc_n, n_tok + ids.numel()
         expected = sum(mq.expected_bytes() for mq in run.mixed.values())
         pen = size_penalty(expected, run.budget.train_target_bytes, cfg.size_tolerance, cfg.size_weight)
-        loss = ce + cfg.distill_weight * kl + pen.to(ce.dtype)
-        loss.backward()
+        if pen.requires_grad:
+            pen.backward()
+        loss = ce + cfg.distill_weight * kl + float(pen.detach())
         opt.step()
         with torch.no_grad():
             ent = torch.stack([mq.entropy() for mq in run.mixed.values()]).mean()
@@ -186,17 +226,34 @@ class Trainer:
         return StepMetrics(
             step=step + 1, loss=float(loss), ce=float(ce), kl=float(kl), size_penalty=float(pen),
             expected_bytes=float(expected), target_bytes=run.budget.train_target_bytes, tau=tau,
-            gate_entropy=float(ent), tokens_per_s=ids.numel() / dt,
+            gate_entropy=float(ent), tokens_per_s=n_tok / dt, memory_bytes=methods.peak_memory_bytes(run.device),
         )
 
     # -- bake and outputs --------------------------------------------------------------------
-    def finish(self, history: list[StepMetrics], *, resumed_from: int = 0) -> TrainResult:
+    def finish(self, history: list[StepMetrics], *, resumed_from: int = 0,
+               probs: dict[str, torch.Tensor] | None = None, gates: dict[str, torch.Tensor] | None = None) -> TrainResult:
+        """Bake and write the outputs; `probs`/`gates` stand in for the live gates when a run
+        trained nothing here (``--method sensitivity``, ``--finalize_from_partial``)."""
         run = self.run
         assert run is not None
         cfg = run.cfg
-        with torch.no_grad():
-            probs = {n: mq.probs().detach().cpu() for n, mq in run.mixed.items()}
+        if probs is None:
+            # Bake at the last step's τ, also when a resumed run had no step left to set it.
+            tau = tau_at(cfg.max_steps - 1, cfg.max_steps, cfg.tau_start, cfg.tau_end)
+            with torch.no_grad():
+                for mq in run.mixed.values():
+                    mq.tau = tau
+                probs = {n: mq.probs().detach().cpu() for n, mq in run.mixed.items()}
+            gates = {n: mq.gates.detach().cpu().clone() for n, mq in run.mixed.items()}
         res = bake(run.plans, probs, run.budget, cfg.upgrades)
+        polished = None
+        if cfg.polish:
+            from .knapsack import polish
+
+            polished = polish(run.plans, run.sensitivity, res.choice, lower=run.budget.target_bytes * (1 - run.budget.tolerance),
+                              upper=run.budget.upper_bytes, upgrades=cfg.upgrades)
+            res.choice, res.total_bytes = polished.choice, polished.total_bytes
+        faults.hit("bake")
         tensors = {}
         for p in run.plans:
             k = res.choice[p.name]
@@ -213,6 +270,8 @@ class Trainer:
                 "train_target_bytes": run.budget.train_target_bytes, "tolerance": run.budget.tolerance,
                 "compression_ratio": cfg.compression_ratio, "target_bits": cfg.target_bits,
                 "upgraded": res.upgraded, "repaired": res.repaired, "filled": res.filled, "final_step": final,
+                "method": cfg.method, "polish_moves": polished.moves if polished else 0,
+                "polish_gain": polished.gain if polished else 0.0,
             },
         )
         out = cfg.out_dir
@@ -222,7 +281,7 @@ class Trainer:
             out / cfg.output_name,
             {
                 "assignment_json": json.dumps(asg.to_dict()),
-                "gates": {n: mq.gates.detach().cpu().clone() for n, mq in run.mixed.items()},
+                "gates": gates,
                 "config_json": json.dumps(cfg.to_dict()),
                 "model": str(cfg.model),
                 "metrics_json": json.dumps({"final": final, "baked_bytes": res.total_bytes, "target_bytes": run.budget.target_bytes}),
@@ -238,13 +297,33 @@ def _disable_dropout(model) -> None:
 
 
 def _check_writable(out_dir: Path) -> None:
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        probe = out_dir / ".write-probe"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise ConfigError(f"--output_dir {out_dir} is not writable: {e.strerror or e}") from None
+    fileio.ensure_writable(out_dir)
+
+
+def check_vocab(tokens: torch.Tensor, model, path: Path) -> None:
+    """Token ids the model's embedding cannot look up mean the data was tokenized for another
+    model: say so instead of an IndexError deep inside the first forward pass."""
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    rows = getattr(emb, "num_embeddings", None)
+    if rows is None or tokens.numel() == 0:
+        return
+    top = int(tokens.max())
+    if top >= rows or int(tokens.min()) < 0:
+        raise ConfigError(
+            f"tokens file {path} holds token id {top}, but the model's vocabulary has {rows} entries: "
+            "the data was tokenized for another model; rerun `voodoo data` with this model's tokenizer"
+        )
+
+
+def check_space(cfg: TrainConfig, plans) -> None:
+    """Fail now, not hours later, if the candidate cache or the outputs cannot fit on disk."""
+    from ..cache import default_root
+
+    cache_need = sum(sum(p.sizes) for p in plans)  # every candidate (cached ones counted too)
+    n_gates = sum(len(p.sizes) for p in plans)
+    out_need = (1 << 20) + 64 * n_gates  # journal (gates + Adam moments) + result .pt + JSON
+    fileio.ensure_free_space(default_root(), cache_need, what="the candidate cache")
+    fileio.ensure_free_space(cfg.out_dir, out_need, what="the journal and the outputs")
 
 
 def _read_log(path: Path, upto: int) -> list[StepMetrics]:

@@ -1,0 +1,167 @@
+"""Sensitivity table, greedy knapsack, warm start, --method sensitivity and --polish (issue 9)."""
+
+import json
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from voodoo_quant.menus import parse_upgrades
+from voodoo_quant.training import knapsack, sensitivity
+from voodoo_quant.training.bake import bake
+from voodoo_quant.training.config import TrainConfig
+from voodoo_quant.training.trainer import Trainer
+
+MENU = ("Q8_0", "Q4_K", "Q2_K")
+
+
+def _cfg(d, out, **kw):
+    base = dict(model=str(d / "model"), data_dir=str(d / "data"), seq_len=32, batch_size=2, max_steps=2,
+                compression_ratio=0.6, candidate_types=MENU, output_dir=str(out), partial_save_interval=1)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+@pytest.fixture(scope="module")
+def warm(gate_model_dir, tmp_path_factory):
+    tr = Trainer(_cfg(gate_model_dir, tmp_path_factory.mktemp("warm"), warm_start=True))
+    tr.prepare()
+    return tr
+
+
+def test_table_orders_the_rungs_by_precision(warm):
+    table = warm.run.sensitivity
+    assert set(table) == {p.name for p in warm.run.plans}
+    for p in warm.run.plans:
+        s = dict(zip(p.menu.types, table[p.name]))
+        assert 0.0 < s["Q8_0"] < s["Q4_K"] < s["Q2_K"] < 1.0, (p.name, s)
+    assert (warm.cfg.out_dir / sensitivity.TABLE_NAME).exists()
+
+
+def test_table_matches_a_direct_computation_on_one_tensor(warm):
+    """‖(W_q − W)X‖² / ‖WX‖² from the Gram matrix equals the explicit product over the tokens."""
+    run = warm.run
+    from voodoo_quant.modeling import load_model
+    from voodoo_quant.training.setup import candidate_blobs
+
+    base = load_model(run.cfg.model, dtype=torch.float32)
+    plan = next(p for p in run.plans if p.name.endswith("layers.1.mlp.down_proj.weight"))
+    w = dict(base.named_parameters())[plan.name].detach()
+    xs = []
+    mod = dict(base.named_modules())[plan.modules[0]]
+    h = mod.register_forward_hook(lambda m, a, o: xs.append(a[0].reshape(-1, a[0].shape[-1]).detach()))
+    with torch.no_grad():
+        for row in run.tokens[: run.cfg.sensitivity_sequences]:
+            base(input_ids=row.unsqueeze(0))
+    h.remove()
+    x = torch.cat(xs).double()
+    blobs = candidate_blobs([plan], {plan.name: w}, {})[plan.name]
+    from voodoo_quant import ggml
+
+    for k, (t, blob) in enumerate(zip(plan.menu.types, blobs)):
+        wq = torch.from_numpy(ggml.lib().dequantize(blob, t, (plan.rows, plan.n_per_row))).double()
+        direct = float(((x @ (wq - w.double()).t()) ** 2).sum() / ((x @ w.double().t()) ** 2).sum())
+        assert run.sensitivity[plan.name][k] == pytest.approx(direct, rel=1e-9)
+
+
+def test_warm_start_layout_is_what_the_gates_serve_at_step_0(warm):
+    run = warm.run
+    from voodoo_quant.training.methods import knapsack_layout
+
+    layout = knapsack_layout(run)
+    for n, mq in run.mixed.items():
+        mq.tau = run.cfg.tau_start
+        assert mq.argmax() == layout[n], n
+        assert mq.probs()[layout[n]].item() == pytest.approx(run.cfg.warm_start_mass, rel=1e-5)
+    step0 = bake(run.plans, {n: mq.probs().detach() for n, mq in run.mixed.items()}, run.budget)
+    assert step0.argmax == layout
+    total = sum(p.sizes[layout[p.name]] for p in run.plans)
+    assert total <= run.budget.train_target_bytes
+
+
+def _synthetic(n=40, k=5, seed=0):
+    rnd = random.Random(seed)
+    plans, table = [], {}
+    for i in range(n):
+        rows = rnd.choice([64, 128, 256])
+        bpw = sorted(rnd.sample([2.0, 2.5, 3.0, 3.5, 4.5, 5.5, 6.5, 8.5], k))
+        sizes = tuple(int(b * rows * 256 / 8) for b in bpw)
+        base = rnd.uniform(0.2, 2.0)
+        table[f"t{i}"] = [base * 2 ** (-b) * rnd.uniform(0.7, 1.3) for b in bpw]  # noisy: hull matters
+        plans.append(SimpleNamespace(name=f"t{i}", sizes=sizes, menu=SimpleNamespace(types=tuple(f"q{j}" for j in range(k)))))
+    return plans, table
+
+
+@pytest.mark.parametrize("frac", [0.05, 0.3, 0.6, 0.95])
+def test_greedy_knapsack_lands_within_tolerance_of_its_cap(frac):
+    plans, table = _synthetic()
+    lo, hi = sum(min(p.sizes) for p in plans), sum(max(p.sizes) for p in plans)
+    cap = int(lo + frac * (hi - lo))
+    choice = knapsack.greedy_layout(plans, table, cap)
+    total = sum(p.sizes[choice[p.name]] for p in plans)
+    assert cap * (1 - 0.02) <= total <= cap
+    # And it beats spending the same budget uniformly at random (a knapsack, not a fill).
+    rnd = random.Random(1)
+    worse = 0
+    for _ in range(50):
+        c = {p.name: 0 for p in plans}
+        t = lo
+        for p in rnd.sample(plans, len(plans)):
+            for j in range(len(p.sizes) - 1, 0, -1):
+                if t + p.sizes[j] - p.sizes[0] <= cap:
+                    c[p.name], t = j, t + p.sizes[j] - p.sizes[0]
+                    break
+        worse += sum(table[n][k] for n, k in c.items()) >= sum(table[n][k] for n, k in choice.items())
+    assert worse == 50
+
+
+def test_polish_never_leaves_the_dead_zone_and_never_loses_quality():
+    for seed in range(20):
+        plans, table = _synthetic(seed=seed)
+        rnd = random.Random(seed)
+        lo_b, hi_b = sum(min(p.sizes) for p in plans), sum(max(p.sizes) for p in plans)
+        target = rnd.uniform(lo_b, hi_b) * 0.9 + lo_b * 0.1
+        lower, upper = target * 0.98, target * 1.02
+        start = knapsack.greedy_layout(plans, {n: [rnd.random() for _ in v] for n, v in table.items()}, int(target))
+        start_total = sum(p.sizes[start[p.name]] for p in plans)
+        seen = []
+        res = knapsack.polish(plans, table, start, lower=lower, upper=upper)
+        seen.append(res.total_bytes)
+        for m in range(1, res.moves + 1):  # every prefix of the walk stays inside too
+            seen.append(knapsack.polish(plans, table, start, lower=lower, upper=upper, max_moves=m).total_bytes)
+        lo = min(lower, start_total)
+        assert all(lo <= t <= upper for t in seen), (seed, start_total, lower, upper, seen)
+        assert res.total_bytes == sum(p.sizes[res.choice[p.name]] for p in plans)
+        before = sum(table[n][k] for n, k in start.items())
+        after = sum(table[n][k] for n, k in res.choice.items())
+        assert after <= before and res.gain == pytest.approx(before - after)
+        assert all(abs(res.choice[n] - start[n]) <= len(p.sizes) for n, p in ((p.name, p) for p in plans))
+
+
+def test_polish_leaves_tensors_under_an_upgrade_rule_alone():
+    plans, table = _synthetic()
+    start = {p.name: 0 for p in plans}
+    total = sum(p.sizes[0] for p in plans)
+    ups = parse_upgrades('[{"pattern": "^t1$", "levels": 1}]')
+    res = knapsack.polish(plans, table, start, lower=total, upper=total * 1.5, upgrades=ups)
+    assert res.choice["t1"] == 0 and res.moves > 0
+
+
+def test_method_sensitivity_writes_the_training_outputs_on_budget(gate_model_dir, tmp_path, warm):
+    quality = {}
+    for polish in (False, True):
+        out = tmp_path / f"m{int(polish)}"
+        tr = Trainer(_cfg(gate_model_dir, out, method="sensitivity", polish=polish))
+        res = tr.train()
+        b = tr.run.budget
+        assert b.target_bytes * (1 - b.tolerance) <= res.assignment.total_bytes <= b.upper_bytes
+        assert res.history == [] and not tr.run.mixed  # nothing trained, no student built
+        for f in ("assignment.json", "tensor-types.txt", "voodoo.pt", sensitivity.TABLE_NAME):
+            assert (out / f).exists(), f
+        meta = json.loads((out / "assignment.json").read_text())["meta"]
+        assert meta["method"] == "sensitivity"
+        by = {p.name: p for p in tr.run.plans}
+        quality[polish] = sum(tr.run.sensitivity[n][by[n].menu.types.index(t.qtype)]
+                              for n, t in res.assignment.tensors.items())
+    assert quality[True] <= quality[False]  # polish only ever trades toward a lower Σ s

@@ -1,0 +1,72 @@
+"""Runs that are not a plain gate training: the sensitivity knapsack alone, a bake redone from a
+journal, and the pieces of a warm start. Each ends in ``Trainer.finish`` so the outputs
+(assignment.json, tensor-types.txt, the result .pt) are the same as a training run's."""
+
+from __future__ import annotations
+
+import logging
+import resource
+from pathlib import Path
+
+import torch
+
+from ..errors import ConfigError
+from . import journal
+from .knapsack import greedy_layout
+from .schedule import tau_at
+from .sensitivity import warm_logits
+
+log = logging.getLogger(__name__)
+
+
+def knapsack_layout(run) -> dict[str, int]:
+    """The greedy knapsack's layout at the training target (``--budget_reduction`` applies)."""
+    if run.sensitivity is None:
+        raise ConfigError("internal: the sensitivity table was not computed for this run")
+    return greedy_layout(run.plans, run.sensitivity, run.budget.train_target_bytes)
+
+
+def warm_start_logits(run) -> dict[str, torch.Tensor]:
+    return warm_logits(run.plans, knapsack_layout(run), run.cfg.tau_start, run.cfg.warm_start_mass)
+
+
+def one_hot_probs(plans, layout: dict[str, int]) -> dict[str, torch.Tensor]:
+    out = {}
+    for p in plans:
+        v = torch.zeros(len(p.menu.types))
+        v[layout[p.name]] = 1.0
+        out[p.name] = v
+    return out
+
+
+def sensitivity_method(trainer):
+    """``--method sensitivity``: the knapsack's layout, baked like trained gates (no training)."""
+    run = trainer.run or trainer.prepare(build=False)
+    layout = knapsack_layout(run)
+    probs = one_hot_probs(run.plans, layout)
+    gates = warm_logits(run.plans, layout, 1.0, run.cfg.warm_start_mass)
+    return trainer.finish([], probs=probs, gates=gates)
+
+
+def finalize_from_partial(trainer, path: str):
+    """``--finalize_from_partial``: bake the journal's gates at the temperature of its last step."""
+    run = trainer.run or trainer.prepare(build=False)
+    cfg = run.cfg
+    jpath = Path(path)
+    if not jpath.exists():
+        raise ConfigError(f"--finalize_from_partial: no journal at {jpath}")
+    st = journal.load(jpath, expect_hash=cfg.result_hash(), expect_names={p.name for p in run.plans})
+    tau = tau_at(max(0, st.step - 1), cfg.max_steps, cfg.tau_start, cfg.tau_end)
+    gates = {n: g.detach().float().cpu() for n, g in st.gates.items()}
+    probs = {n: torch.softmax(g / tau, dim=0) for n, g in gates.items()}
+    from .trainer import _read_log
+
+    history = _read_log(cfg.log_path, st.step)
+    return trainer.finish(history, resumed_from=st.step, probs=probs, gates=gates)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak allocated device memory (CUDA/ROCm), else the process's peak RSS."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB

@@ -1,0 +1,173 @@
+"""Sensitivity table: how much each candidate of each tensor perturbs that tensor's outputs.
+
+    s(t, q) = ‖(W_q − W) X‖² / ‖W X‖²
+
+over the inputs X that tensor sees on calibration tokens. One hooked forward pass of the float
+model collects, per use of a tensor, the Gram matrix ``C = Σ_i x_i x_iᵀ`` of a Linear's inputs (so
+``‖ΔW X‖² = Σ (ΔW C) ⊙ ΔW`` needs no token loop), or the token counts of an Embedding's lookups
+(``Σ_v n_v ‖ΔW[v]‖²``). A tied embedding / LM head sums both uses. The candidates W_q are the
+very bytes training uses (the candidate cache), dequantized by libggml-base.
+
+The table is written beside the journal (``sensitivity.pt``) with what it was computed from, and
+reused when a run is resumed or finalized with the same model, menus and calibration tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import torch
+import torch.nn as nn
+
+from .. import fileio, ggml
+
+log = logging.getLogger(__name__)
+
+TABLE_NAME = "sensitivity.pt"
+TABLE_VERSION = 1
+
+
+class _Stats:
+    """Per-module input statistics, accumulated in float64 on the CPU."""
+
+    def __init__(self) -> None:
+        self.gram: dict[str, torch.Tensor] = {}
+        self.counts: dict[str, torch.Tensor] = {}
+
+    def hook_linear(self, name: str):
+        def hook(mod, args, _out):
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).to(torch.float64).cpu()
+            g = x.t() @ x
+            self.gram[name] = g if name not in self.gram else self.gram[name].add_(g)
+        return hook
+
+    def hook_embedding(self, name: str, vocab: int):
+        def hook(mod, args, _out):
+            c = torch.bincount(args[0].detach().reshape(-1).cpu(), minlength=vocab).to(torch.float64)
+            self.counts[name] = c if name not in self.counts else self.counts[name].add_(c)
+        return hook
+
+
+def capture_inputs(model: nn.Module, plans: Sequence, tokens: torch.Tensor) -> _Stats:
+    """One no-grad forward over `tokens` ([n, seq]) with hooks on every use of every planned tensor."""
+    modules = dict(model.named_modules())
+    stats = _Stats()
+    handles = []
+    try:
+        for p in plans:
+            for mname in p.modules:
+                mod = modules[mname]
+                if isinstance(mod, nn.Embedding):
+                    handles.append(mod.register_forward_hook(stats.hook_embedding(mname, mod.num_embeddings)))
+                else:
+                    handles.append(mod.register_forward_hook(stats.hook_linear(mname)))
+        with torch.no_grad():
+            for row in tokens:
+                model(input_ids=row.unsqueeze(0))
+    finally:
+        for h in handles:
+            h.remove()
+    return stats
+
+
+def _output_energy(w: torch.Tensor, mname: str, stats: _Stats) -> float:
+    """‖w X‖² for one use of the tensor (0 when the use saw no input)."""
+    if mname in stats.gram:
+        c = stats.gram[mname]
+        return float(((w @ c) * w).sum())
+    if mname in stats.counts:
+        return float(((w * w).sum(dim=1) * stats.counts[mname]).sum())
+    return 0.0
+
+
+def tensor_sensitivities(plan, weight: torch.Tensor, blobs: Sequence[bytes], stats: _Stats) -> list[float]:
+    """s(t, q) for every rung of `plan`'s menu, from the rung's ggml bytes."""
+    lib = ggml.lib()
+    w = weight.detach().to(torch.float64).cpu()
+    den = sum(_output_energy(w, m, stats) for m in plan.modules)
+    out = []
+    for qtype, blob in zip(plan.menu.types, blobs):
+        deq = lib.dequantize(blob, qtype, (plan.rows, plan.n_per_row), name=plan.name)
+        wq = plan.layout.from_gguf(torch.from_numpy(deq)).to(torch.float64).reshape(w.shape)
+        num = sum(_output_energy(wq - w, m, stats) for m in plan.modules)
+        out.append(num / den if den > 0 else 0.0)
+    return out
+
+
+def table_key(plans: Sequence, tokens: torch.Tensor, model: str) -> str:
+    """What a table depends on: model, every tensor's menu and bytes, the calibration tokens."""
+    h = hashlib.sha256()
+    h.update(json.dumps([[p.name, list(p.menu.types), list(p.sizes)] for p in plans]).encode())
+    h.update(str(model).encode())
+    h.update(tokens.to(torch.int64).contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def compute_table(
+    model: nn.Module, plans: Sequence, weights: Mapping[str, torch.Tensor],
+    blobs_for, tokens: torch.Tensor,
+) -> dict[str, list[float]]:
+    """tensor -> [s per menu rung]. `blobs_for(plan)` returns the rung bytes (from the cache)."""
+    stats = capture_inputs(model, plans, tokens)
+    table = {}
+    for p in plans:
+        table[p.name] = tensor_sensitivities(p, weights[p.name], blobs_for(p), stats)
+    return table
+
+
+def save_table(path: Path, table: Mapping[str, Sequence[float]], key: str, plans: Sequence) -> Path:
+    menus = {p.name: list(p.menu.types) for p in plans}
+    return fileio.torch_save(path, {"version": TABLE_VERSION, "key": key, "menus_json": json.dumps(menus),
+                                    "table_json": json.dumps({k: list(map(float, v)) for k, v in table.items()})})
+
+
+def load_table(path: Path, key: str) -> dict[str, list[float]] | None:
+    """The stored table if it was computed from the same inputs (`key`), else None."""
+    if not path.exists():
+        return None
+    d = fileio.torch_load(path, what="sensitivity table")
+    if not isinstance(d, dict) or d.get("version") != TABLE_VERSION or d.get("key") != key:
+        log.info("%s was computed from other inputs; recomputing", path)
+        return None
+    return {k: list(v) for k, v in json.loads(d["table_json"]).items()}
+
+
+def warm_logits(plans: Sequence, layout: Mapping[str, int], tau: float, mass: float) -> dict[str, torch.Tensor]:
+    """Gate logits whose softmax at temperature `tau` puts `mass` on the layout's rung and
+    spreads the rest evenly: ``g = τ · log q``, so step 0 serves q exactly."""
+    out = {}
+    for p in plans:
+        k = len(p.menu.types)
+        if k == 1:
+            out[p.name] = torch.zeros(1)
+            continue
+        q = torch.full((k,), (1.0 - mass) / (k - 1), dtype=torch.float64)
+        q[layout[p.name]] = mass
+        out[p.name] = (tau * torch.log(q)).float()
+    return out
+
+
+def ensure_table(cfg, base: nn.Module, plans: Sequence, vectors, tokens: torch.Tensor,
+                 *, progress: bool = False) -> dict[str, list[float]]:
+    """The run's sensitivity table: reused from ``<output_dir>/sensitivity.pt`` when it was made
+    from the same inputs, else computed from the float `base` (before the gates replace its
+    weights) on the first ``--sensitivity_sequences`` sequences, and saved there."""
+    from ..student import selectable_weights
+    from .setup import candidate_blobs
+
+    calib = tokens[: cfg.sensitivity_sequences]
+    key = table_key(plans, calib, cfg.model)
+    path = cfg.out_dir / TABLE_NAME
+    table = load_table(path, key)
+    if table is not None and set(table) == {p.name for p in plans}:
+        return table
+    weights = {n: w for n, (w, _) in selectable_weights(base).items()}
+    blobs = candidate_blobs(plans, weights, vectors, progress=progress)  # the cache training reads too
+    table = compute_table(base, plans, weights, lambda p: blobs.pop(p.name), calib)
+    cfg.out_dir.mkdir(parents=True, exist_ok=True)
+    save_table(path, table, key, plans)
+    return table
