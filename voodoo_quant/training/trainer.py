@@ -224,7 +224,7 @@ class Trainer:
             ent = torch.stack([mq.entropy() for mq in run.mixed.values()]).mean()
         dt = time.perf_counter() - t0
         return StepMetrics(
-            step=step + 1, loss=float(loss), ce=float(ce), kl=float(kl), size_penalty=float(pen),
+            step=step + 1, loss=float(loss), ce=float(ce), kl=float(kl), size_penalty=float(pen.detach()),
             expected_bytes=float(expected), target_bytes=run.budget.train_target_bytes, tau=tau,
             gate_entropy=float(ent), tokens_per_s=n_tok / dt, memory_bytes=methods.peak_memory_bytes(run.device),
         )

@@ -1,0 +1,124 @@
+"""A small facade for notebooks: quantize an already loaded model to a target size, save a GGUF.
+
+    q = VoodooQuantizer(model, tokenizer, VoodooConfig(compression_ratio=0.6, calib_texts=texts))
+    q.quantize().save("out/MyModel.Voodoo60_IQ3_M.gguf")
+
+It runs the same pipeline as the CLI (the same config dataclasses and library calls): the model
+and tokenizer are saved as an HF checkpoint in a work directory, the calibration texts become
+the training tokens (and, when the menu needs one, the imatrix), then train, then export.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from .errors import ConfigError
+from .menus import DEFAULT_CANDIDATES
+
+
+@dataclass
+class VoodooConfig:
+    compression_ratio: float | None = None  # default 0.45 when target_bits is not given either
+    target_bits: float | None = None
+    calib_texts: Sequence[str] = ()
+    seq_len: int = 256
+    max_steps: int = 50
+    lr: float = 0.5
+    distill_weight: float = 1.0
+    size_tolerance: float = 0.02
+    candidate_types: tuple[str, ...] = DEFAULT_CANDIDATES
+    attention_candidates: tuple[str, ...] | None = None
+    non_attention_candidates: tuple[str, ...] | None = None
+    imatrix: str | None = None  # an imatrix file; None = compute one from calib_texts
+    device: str = "cpu"
+    dtype: str = "float32"
+    seed: int = 0
+    workdir: str | None = None  # default: a fresh temporary directory
+    extra: dict[str, Any] = field(default_factory=dict)  # any other TrainConfig field
+
+    def __post_init__(self) -> None:
+        if self.compression_ratio is None and self.target_bits is None:
+            self.compression_ratio = 0.45
+        if self.compression_ratio is not None and self.target_bits is not None:
+            raise ConfigError("give compression_ratio or target_bits, not both")
+        if isinstance(self.calib_texts, str):
+            self.calib_texts = [self.calib_texts]
+        if not self.calib_texts or not any(t.strip() for t in self.calib_texts):
+            raise ConfigError("calib_texts: give at least one non-empty calibration text")
+
+
+class VoodooQuantizer:
+    def __init__(self, model: Any, tokenizer: Any, config: VoodooConfig):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        self.workdir = Path(config.workdir or tempfile.mkdtemp(prefix="voodoo-"))
+
+    def _tokens(self, out: Path) -> Path:
+        import torch
+
+        from . import fileio
+
+        eos = self.tokenizer.eos_token_id
+        ids: list[int] = []
+        for text in self.config.calib_texts:
+            ids += self.tokenizer(text, add_special_tokens=True)["input_ids"]
+            if eos is not None:
+                ids.append(int(eos))
+        n = len(ids) // self.config.seq_len
+        if n < 1:
+            raise ConfigError(
+                f"calib_texts give {len(ids)} tokens: fewer than one sequence of seq_len {self.config.seq_len}"
+            )
+        seqs = torch.tensor(ids[: n * self.config.seq_len], dtype=torch.int64).reshape(n, self.config.seq_len)
+        return fileio.torch_save(out, seqs)
+
+    def quantize(self) -> "QuantizedModel":
+        from .tools.calibrate import ImatrixConfig, compute
+        from .training.config import TrainConfig
+        from .training.trainer import Trainer
+
+        cfg = self.config
+        hf = self.workdir / "model"
+        if not (hf / "config.json").is_file():
+            self.model.save_pretrained(hf)
+            self.tokenizer.save_pretrained(hf)
+        data = self.workdir / "data"
+        tokens = self._tokens(data / "train_tokens.pt")
+        imatrix = cfg.imatrix
+        if imatrix is None:
+            imatrix = str(self.workdir / "imatrix.gguf")
+            compute(ImatrixConfig(str(hf), str(tokens), imatrix))
+        tcfg = TrainConfig(
+            model=str(hf), data_dir=str(data), imatrix=imatrix, compression_ratio=cfg.compression_ratio,
+            target_bits=cfg.target_bits, seq_len=cfg.seq_len, max_steps=cfg.max_steps, lr=cfg.lr,
+            distill_weight=cfg.distill_weight, size_tolerance=cfg.size_tolerance, candidate_types=cfg.candidate_types,
+            attention_candidates=cfg.attention_candidates, non_attention_candidates=cfg.non_attention_candidates,
+            device=cfg.device, dtype=cfg.dtype, seed=cfg.seed, output_dir=str(self.workdir / "run"), **cfg.extra,
+        )
+        result = Trainer(tcfg).train()
+        return QuantizedModel(hf, imatrix, result)
+
+
+@dataclass
+class QuantizedModel:
+    model_dir: Path
+    imatrix: str
+    result: Any  # training.trainer.TrainResult
+
+    @property
+    def assignment(self):
+        return self.result.assignment
+
+    def save(self, path: str | Path, *, overwrite: bool = True):
+        """Write the GGUF (atomically) and its tensor-type file; returns the ExportResult."""
+        from .tools.export import ExportConfig, export
+
+        path = Path(path)
+        if path.suffix != ".gguf":
+            raise ConfigError(f"{path}: the output must be a .gguf file")
+        return export(ExportConfig(model=self.model_dir, assignment=self.assignment, output_dir=path.parent,
+                                   imatrix=Path(self.imatrix), output_name=path.name, overwrite=overwrite))
