@@ -16,8 +16,19 @@ console = Console()
 err_console = Console(stderr=True)
 
 
+def _current_context():
+    # Typer >= 0.29 parses with its own vendored copy of click, whose context stack is not
+    # click's; ask it first, then plain click (older Typer).
+    try:
+        from typer._click.globals import get_current_context as typer_ctx
+    except ImportError:  # pragma: no cover - older typer
+        typer_ctx = None
+    ctx = typer_ctx(silent=True) if typer_ctx else None
+    return ctx or click.get_current_context(silent=True)
+
+
 def debug_enabled() -> bool:
-    ctx = click.get_current_context(silent=True)
+    ctx = _current_context()
     if ctx is None:
         return False
     obj = ctx.find_root().obj

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import click
 import typer
 
 from ..errors import ConfigError, NotBuiltYetError
@@ -25,10 +24,12 @@ def parse_train_flags(args: list[str]):
     train_cmd = group.commands["train"]
     try:
         ctx = train_cmd.make_context("train", normalize(args, declared_flags(train_cmd)))
-    except click.exceptions.Exit:
-        raise ConfigError("`voodoo tp` needs train flags after `--`") from None
-    except click.UsageError as e:
-        raise ConfigError(f"train flags: {e.format_message()}") from None
+    except Exception as e:  # click's or Typer's vendored click's Exit / UsageError
+        if hasattr(e, "format_message"):
+            raise ConfigError(f"train flags: {e.format_message()}") from None
+        if type(e).__name__ == "Exit":
+            raise ConfigError("`voodoo tp` needs train flags after `--`") from None
+        raise
     return build_config(**{k: v for k, v in ctx.params.items() if k in _FIELDS})
 
 

@@ -1,0 +1,78 @@
+"""bench/quality_report.py: stock Pareto frontier, log-KLD interpolation and the target ratios,
+on made-up rows (the benchmark itself runs stock tools for an hour and is not a test)."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+@pytest.fixture(scope="module")
+def rep():
+    spec = importlib.util.spec_from_file_location("quality_report", BENCH / "quality_report.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["quality_report"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _row(name, method, size, kld, pct=None):
+    return {"name": name, "method": method, "size_bytes": size, "kld_mean": kld, "size_percent": pct,
+            "bpw": 4.0, "ppl": 30.0, "kld_p99": 1.0, "kld_p999": 2.0, "same_top_p": 80.0}
+
+
+STOCK = [
+    _row("s-A", "stock", 90e6, 0.20),
+    _row("s-B", "stock", 92e6, 0.25),  # dominated by A (bigger, worse)
+    _row("s-C", "stock", 100e6, 0.05),
+    _row("s-Q8", "stock", 145e6, 0.01),
+]
+
+
+def test_pareto_drops_dominated_files(rep):
+    assert [r["name"] for r in rep.pareto(STOCK)] == ["s-A", "s-C", "s-Q8"]
+    same_size = [_row("x", "stock", 90e6, 0.3), _row("y", "stock", 90e6, 0.1)]
+    assert [r["name"] for r in rep.pareto(same_size)] == ["y"]
+
+
+def test_frontier_is_linear_in_log_kld(rep):
+    front = rep.pareto(STOCK)
+    mid = rep.frontier_kld(front, 95e6)  # halfway between A (0.20) and C (0.05): geometric mean
+    assert mid == pytest.approx(math.sqrt(0.20 * 0.05), rel=1e-12)
+    assert rep.frontier_kld(front, 90e6) == pytest.approx(0.20)
+    assert rep.frontier_kld(front, 89e6) is None and rep.frontier_kld(front, 146e6) is None
+
+
+def test_targets_ratios(rep):
+    rows = STOCK + [_row("v60", "voodoo", 95e6, 0.04, 60), _row("sens60", "sensitivity", 95.5e6, 0.06, 60),
+                    _row("v55", "voodoo", 80e6, 0.15, 55)]
+    t = rep.targets(rows, "s-Q8")
+    assert t["floor_kld"] == 0.01 and t["frontier"] == ["s-A", "s-C", "s-Q8"]
+    small, x = t["sizes"]
+    assert small["size_percent"] == 55 and small["ratio_vs_stock"] is None and "below" in small["note"]
+    stock_excess = math.sqrt(0.20 * 0.05) - 0.01
+    assert x["ratio_vs_stock"] == pytest.approx(0.03 / stock_excess)
+    assert x["meets_stock_target"] is True  # 0.03 / 0.09 ≈ 0.33
+    assert x["ratio_vs_sensitivity"] == pytest.approx(0.03 / 0.05)
+    assert x["meets_sensitivity_target"] is True
+    md = rep.markdown({"rows": rows, "targets": t, "command": "python bench/quality.py --quick",
+                       "setup": {"model": "M", "degrid_seed": 0, "calib_chunks": 8, "ctx": 512, "eval_chunks": 4,
+                                 "steps": 5, "seq_len": 256, "menu": ["Q8_0"], "reference_ppl": 40.0}})
+    assert "python bench/quality.py --quick" in md and "| Voodoo60 | 95.00 |" in md
+
+
+def test_targets_need_the_floor(rep):
+    with pytest.raises(ValueError, match="floor"):
+        rep.targets(STOCK[:2], "s-Q8")
+
+
+def test_plot_writes_png(rep, tmp_path):
+    rows = STOCK + [_row("v60", "voodoo", 95e6, 0.04, 60)]
+    out = rep.plot({"rows": rows, "targets": rep.targets(rows, "s-Q8")}, tmp_path / "p.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
