@@ -31,7 +31,11 @@ def test_quantize_loaded_model_and_save_gguf(tiny_llama_hf_dir, shakespeare_text
     assert res.path.is_file()
     reader = vendored_gguf().GGUFReader(str(res.path))
     types = {t.name: t.tensor_type.name for t in reader.tensors}
+    nbytes = {t.name: int(t.n_bytes) for t in reader.tensors}
     for choice in q.assignment.tensors.values():
         assert types[choice.gguf_name] == choice.qtype
+        assert nbytes[choice.gguf_name] == choice.nbytes
+    # The size the trainer accounted for is exactly the selected tensors' bytes in the file.
+    assert sum(nbytes[c.gguf_name] for c in q.assignment.tensors.values()) == q.assignment.total_bytes
     b = q.result.bake
     assert q.assignment.total_bytes <= q.assignment.target_bytes * 1.02 and b.total_bytes == q.assignment.total_bytes
