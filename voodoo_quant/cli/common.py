@@ -12,7 +12,8 @@ from rich.console import Console
 
 from ..errors import VoodooError
 
-console = Console()
+# Piped output (logs, CI) gets a wide console so tables are not truncated to 80 columns.
+console = Console(width=None if sys.stdout.isatty() else 160)
 err_console = Console(stderr=True)
 
 

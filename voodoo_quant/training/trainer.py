@@ -225,7 +225,7 @@ class Trainer:
         dt = time.perf_counter() - t0
         return StepMetrics(
             step=step + 1, loss=float(loss), ce=float(ce), kl=float(kl), size_penalty=float(pen.detach()),
-            expected_bytes=float(expected), target_bytes=run.budget.train_target_bytes, tau=tau,
+            expected_bytes=float(expected.detach()), target_bytes=run.budget.train_target_bytes, tau=tau,
             gate_entropy=float(ent), tokens_per_s=n_tok / dt, memory_bytes=methods.peak_memory_bytes(run.device),
         )
 
