@@ -55,25 +55,31 @@ def smollm2_tok_dir(tmp_path_factory):
     return d
 
 
-@pytest.fixture(scope="session")
-def tiny_llama_hf_dir(tmp_path_factory, smollm2_tok_dir):
-    """A tiny random Llama (SmolLM2 vocab, hidden 64, 2 layers, tied) saved as an HF dir in BF16."""
+def _save_tiny_llama(d, tok_dir, *, seed, hidden, intermediate, head_dim, dtype):
+    """A tiny random tied Llama with the SmolLM2 vocab and tokenizer, saved as an HF dir."""
     import shutil
 
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
                       max_position_embeddings=512, tie_word_embeddings=True,
                       bos_token_id=1, eos_token_id=2)
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
-    d = tmp_path_factory.mktemp("tiny_llama")
-    model.save_pretrained(d)
-    for f in smollm2_tok_dir.iterdir():
+    LlamaForCausalLM(cfg).to(dtype).save_pretrained(d)
+    for f in tok_dir.iterdir():
         shutil.copy(f, d / f.name)
     return d
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_hf_dir(tmp_path_factory, smollm2_tok_dir):
+    """A tiny random Llama (SmolLM2 vocab, hidden 64, 2 layers, tied) saved as an HF dir in BF16."""
+    import torch
+
+    return _save_tiny_llama(tmp_path_factory.mktemp("tiny_llama"), smollm2_tok_dir, seed=0, hidden=64,
+                            intermediate=128, head_dim=16, dtype=torch.bfloat16)
 
 
 # -- imatrix / candidate cache fixtures (issue 3) ----------------------------------------------
@@ -81,22 +87,10 @@ def tiny_llama_hf_dir(tmp_path_factory, smollm2_tok_dir):
 @pytest.fixture(scope="session")
 def imatrix_llama256_hf_dir(tmp_path_factory, smollm2_tok_dir):
     """A tiny random Llama whose rows are 256/512 long (so K-quants fit), F32, SmolLM2 vocab."""
-    import shutil
-
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(3)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                      max_position_embeddings=512, tie_word_embeddings=True,
-                      bos_token_id=1, eos_token_id=2)
-    model = LlamaForCausalLM(cfg).to(torch.float32)
-    d = tmp_path_factory.mktemp("imatrix_llama256")
-    model.save_pretrained(d)
-    for f in smollm2_tok_dir.iterdir():
-        shutil.copy(f, d / f.name)
-    return d
+    return _save_tiny_llama(tmp_path_factory.mktemp("imatrix_llama256"), smollm2_tok_dir, seed=3, hidden=256,
+                            intermediate=512, head_dim=64, dtype=torch.float32)
 
 
 @pytest.fixture(scope="session")
