@@ -55,29 +55,12 @@ def make_model(d: Path, hidden: int, layers: int) -> Path:
 
 
 def block_tensors(gguf_path: Path) -> dict[str, np.ndarray]:
-    """The 2-D blk.* tensors of an F32 GGUF (header walked with the imatrix module's reader)."""
-    raw = gguf_path.read_bytes()
-    r = imatrix._Reader(raw)
-    r.bytes(4)
-    _, n_t, n_kv = r.take("Iqq")
-    kv = {}
-    for _ in range(n_kv):
-        k = r.string()
-        kv[k] = imatrix._read_value(r, r.take("i"))
-    infos = []
-    for _ in range(n_t):
-        name = r.string()
-        ne = [r.take("q") for _ in range(r.take("I"))]
-        t, off = r.take("iQ")
-        infos.append((name, ne, t, off))
-    align = int(kv.get("general.alignment", 32))
-    base = (r.pos + align - 1) // align * align
-    out = {}
-    for name, ne, t, off in infos:
-        if name.startswith("blk.") and len(ne) == 2 and t == 0:
-            n = ne[0] * ne[1]
-            out[name] = np.frombuffer(raw, np.float32, n, base + off).reshape(ne[1], ne[0]).copy()
-    return out
+    """The 2-D F32 blk.* tensors of an F32 GGUF, as (rows, n_per_row) arrays."""
+    return {
+        name: np.frombuffer(data, np.float32).reshape(shape).copy()
+        for name, (t, shape, data) in imatrix.gguf_tensor_table(gguf_path).items()
+        if name.startswith("blk.") and len(shape) == 2 and t == "F32"
+    }
 
 
 def timed(fn):

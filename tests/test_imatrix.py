@@ -241,27 +241,7 @@ def test_load_stock_llama_imatrix_and_rewrite_identically(stock_imatrix, imatrix
 
 
 def _gguf_tensors(path) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
-    """name → (type, shape rows-first, raw bytes). gguf.GGUFReader takes ~12 s on the 49k-token
-    vocab of these files; this walks the header with the imatrix module's reader instead."""
-    from voodoo_quant import qtypes
-
-    raw = path.read_bytes()
-    r = imatrix._Reader(raw)
-    r.bytes(4)
-    _, n_t, n_kv = r.take("Iqq")
-    kv = {}
-    for _ in range(n_kv):
-        k = r.string()
-        kv[k] = imatrix._read_value(r, r.take("i"))
-    infos = []
-    for _ in range(n_t):
-        name = r.string()
-        ne = [r.take("q") for _ in range(r.take("I"))]
-        t, off = r.take("iQ")
-        infos.append((name, tuple(reversed(ne)), qtypes.by_id(t).name, off))
-    align = int(kv.get("general.alignment", 32))
-    base = (r.pos + align - 1) // align * align
-    return {n: (t, shape, raw[base + off: base + off + qtypes.tensor_bytes(t, shape)]) for n, shape, t, off in infos}
+    return imatrix.gguf_tensor_table(path)
 
 
 @pytest.mark.slow
