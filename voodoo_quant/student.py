@@ -250,8 +250,25 @@ def build_mixed(
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
     init_logits: torch.Tensor | None = None,
+    shard=None,
+    rank: int = 0,
+    world: int = 1,
 ) -> MixedQuant:
-    """A MixedQuant for `plan` from its candidates' bytes (eager: dequantized now; lazy: packed)."""
+    """A MixedQuant for `plan` from its candidates' bytes (eager: dequantized now; lazy: packed).
+    With a `shard` (tensor parallelism, eager only) it holds rank `rank`'s part of every candidate
+    and keeps the whole tensor's byte sizes, so every rank's gates see the same budget."""
+    if shard is not None:
+        if lazy:
+            raise ValueError(f"{plan.name}: sharded candidates are dequantized (lazy + tensor parallel is refused earlier)")
+        lib = ggml.lib()
+        dense = [
+            shard.take(plan.layout.from_gguf(torch.from_numpy(lib.dequantize(b, t, (plan.rows, plan.n_per_row), name=plan.name))),
+                       rank, world)
+            for b, t in zip(blobs, plan.menu.types)
+        ]
+        cands = torch.stack(dense).to(device=device, dtype=dtype)
+        return MixedQuant(plan.name, plan.menu.types, plan.sizes, cands, tuple(dense[0].shape), dtype=dtype,
+                          init_logits=init_logits)
     if lazy:
         packed = [torch.frombuffer(bytearray(b), dtype=torch.uint8).to(device) for b in blobs]
         cands: torch.Tensor | PackedCandidates = PackedCandidates(plan, packed, dtype)

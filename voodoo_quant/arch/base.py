@@ -47,12 +47,46 @@ class ArchAdapter:
                 return template.format(**m.groupdict())
         return None
 
-    # Tensor parallelism: adapters that support it override this (see voodoo_quant.parallel).
+    # Tensor parallelism: adapters that support it define
+    #   shard_layer(self, layer: nn.Module, world: int) -> voodoo_quant.parallel.LayerShard
+    # (the split of every parameter of one decoder layer, names relative to the layer).
     shard_layer = None
 
     @property
     def supports_tp(self) -> bool:
         return self.shard_layer is not None
+
+
+def attention_shards(attn: Any, prefix: str, *, out_name: str = "o_proj", q_unit_factor: int = 1):
+    """Heads of a (grouped-query) attention block split across ranks: q/k/v by whole heads
+    (column-parallel, biases with them), the output projection by the same head columns
+    (row-parallel). `q_unit_factor` = 2 where q_proj interleaves a gate per head (Qwen3.5)."""
+    from ..parallel import Shard
+
+    hd = attn.head_dim
+    out = {}
+    for name, unit in (("q_proj", hd * q_unit_factor), ("k_proj", hd), ("v_proj", hd)):
+        lin = getattr(attn, name)
+        out[f"{prefix}{name}.weight"] = Shard.rows(lin.weight.shape[0], unit)
+        if getattr(lin, "bias", None) is not None:
+            out[f"{prefix}{name}.bias"] = Shard.rows(lin.bias.shape[0], unit)
+    o = getattr(attn, out_name)
+    out[f"{prefix}{out_name}.weight"] = Shard.cols(o.weight.shape[1], hd)
+    return out
+
+
+def mlp_shards(mlp: Any, prefix: str, *, gate: str = "gate_proj", up: str = "up_proj", down: str = "down_proj"):
+    """A gated MLP split by its intermediate features: gate/up column-, down row-parallel."""
+    from ..parallel import Shard
+
+    out = {}
+    for name in (gate, up):
+        lin = getattr(mlp, name)
+        out[f"{prefix}{name}.weight"] = Shard.rows(lin.weight.shape[0])
+        if getattr(lin, "bias", None) is not None:
+            out[f"{prefix}{name}.bias"] = Shard.rows(lin.bias.shape[0])
+    out[f"{prefix}{down}.weight"] = Shard.cols(getattr(mlp, down).weight.shape[1])
+    return out
 
 
 class GenericAdapter(ArchAdapter):

@@ -8,7 +8,7 @@ llama-quantize never quantizes (src/llama-quant.cpp: ``shortconv.conv.weight``).
 
 from __future__ import annotations
 
-from .base import ArchAdapter, register
+from .base import ArchAdapter, attention_shards, mlp_shards, register
 
 _P = r"model\.layers\.(?P<bid>\d+)\."
 
@@ -34,3 +34,25 @@ class Lfm2Adapter(ArchAdapter):
         (_P + r"feed_forward\.w3\.weight", "blk.{bid}.ffn_up.weight"),
         (_P + r"feed_forward\.w2\.weight", "blk.{bid}.ffn_down.weight"),
     )
+
+    def shard_layer(self, layer, world: int):
+        """Attention layers: heads (out_proj row-parallel). Short-conv layers: the fused
+        ``[B | C | x]`` in_proj split group by group, so each rank holds matching B, C and x rows,
+        the depthwise conv by the same channels, out_proj by those columns. The feed-forward
+        w1/w3 column-, w2 row-parallel."""
+        from ..parallel import LayerShard, Shard
+
+        params = mlp_shards(layer.feed_forward, "feed_forward.", gate="w1", up="w3", down="w2")
+        if getattr(layer, "is_attention_layer", hasattr(layer, "self_attn")):
+            params.update(attention_shards(layer.self_attn, "self_attn.", out_name="out_proj"))
+        else:
+            conv = layer.conv
+            h = conv.out_proj.weight.shape[1]
+            params["conv.in_proj.weight"] = Shard.fused_rows((h, 1), (h, 1), (h, 1))
+            if conv.in_proj.bias is not None:
+                params["conv.in_proj.bias"] = Shard.fused_rows((h, 1), (h, 1), (h, 1))
+            params["conv.conv.weight"] = Shard.rows(h)
+            if conv.conv.bias is not None:
+                params["conv.conv.bias"] = Shard.rows(h)
+            params["conv.out_proj.weight"] = Shard.cols(h)
+        return LayerShard(params=params)

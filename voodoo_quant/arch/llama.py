@@ -7,7 +7,7 @@ serve where no checkpoint is at hand (tensor-type files, imatrix names, reports)
 
 from __future__ import annotations
 
-from .base import ArchAdapter, register
+from .base import ArchAdapter, attention_shards, mlp_shards, register
 
 # gguf-py tensor_mapping.py names for the standard decoder blocks.
 DECODER_GGUF_NAMES: tuple[tuple[str, str], ...] = (
@@ -23,12 +23,22 @@ DECODER_GGUF_NAMES: tuple[tuple[str, str], ...] = (
 )
 
 
+def decoder_shard_layer(self, layer, world: int):
+    """Attention heads and MLP features split across ranks; norms (incl. Qwen3's per-head q/k
+    norms) are replicated. The attention forward infers its head count from q_proj's output, and
+    the query/key-value head ratio is unchanged by an even split: no attribute changes."""
+    from ..parallel import LayerShard
+
+    return LayerShard(params={**attention_shards(layer.self_attn, "self_attn."), **mlp_shards(layer.mlp, "mlp.")})
+
+
 @register
 class LlamaAdapter(ArchAdapter):
     name = "llama"
     model_types = ("llama",)
     attention_segments = ("self_attn.",)
     gguf_names = DECODER_GGUF_NAMES
+    shard_layer = decoder_shard_layer
 
 
 @register
@@ -37,3 +47,4 @@ class Qwen3Adapter(ArchAdapter):
     model_types = ("qwen3",)
     attention_segments = ("self_attn.",)
     gguf_names = DECODER_GGUF_NAMES
+    shard_layer = decoder_shard_layer

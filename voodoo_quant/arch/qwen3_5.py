@@ -9,7 +9,7 @@ in_proj_z, in_proj_a/b and the columns of out_proj. :mod:`voodoo_quant.layout` c
 
 from __future__ import annotations
 
-from .base import ArchAdapter, register
+from .base import ArchAdapter, attention_shards, mlp_shards, register
 from .llama import DECODER_GGUF_NAMES
 
 _P = r"model\.(?:language_model\.)?layers\.(?P<bid>\d+)\."
@@ -32,3 +32,36 @@ class Qwen35Adapter(ArchAdapter):
     attention_segments = ("self_attn.", "linear_attn.")
     gguf_names = QWEN35_GGUF_NAMES
     strip_prefix = "model.language_model."
+
+    def shard_layer(self, layer, world: int):
+        """Full-attention layers: heads, with q_proj's per-head [query | gate] rows kept together.
+        Gated DeltaNet layers: whole key heads and their value heads (each key head serves
+        ``num_v_heads / num_k_heads`` consecutive value heads, so rank r's value heads belong to
+        its key heads): in_proj_qkv and the depthwise conv1d split in their [q | k | v] groups,
+        in_proj_z / in_proj_a / in_proj_b, A_log and dt_bias by value head, out_proj by value-head
+        columns; the per-rank head counts and dims are set on the module."""
+        from ..parallel import LayerShard, Shard
+
+        params = mlp_shards(layer.mlp, "mlp.")
+        attrs = {}
+        if hasattr(layer, "self_attn"):
+            params.update(attention_shards(layer.self_attn, "self_attn.", q_unit_factor=2))
+        else:
+            la = layer.linear_attn
+            kd, vd, hk, hv = la.key_dim, la.value_dim, la.head_k_dim, la.head_v_dim
+            qkv = Shard.fused_rows((kd, hk), (kd, hk), (vd, hv))
+            params.update({
+                "linear_attn.in_proj_qkv.weight": qkv,
+                "linear_attn.conv1d.weight": qkv,
+                "linear_attn.in_proj_z.weight": Shard.rows(vd, hv),
+                "linear_attn.in_proj_a.weight": Shard.rows(la.num_v_heads),
+                "linear_attn.in_proj_b.weight": Shard.rows(la.num_v_heads),
+                "linear_attn.A_log": Shard.rows(la.num_v_heads),
+                "linear_attn.dt_bias": Shard.rows(la.num_v_heads),
+                "linear_attn.out_proj.weight": Shard.cols(vd, hv),
+            })
+            if la.num_k_heads % world == 0 and la.num_v_heads % world == 0:
+                attrs["linear_attn"] = {"num_k_heads": la.num_k_heads // world, "num_v_heads": la.num_v_heads // world,
+                                        "key_dim": kd // world, "value_dim": vd // world,
+                                        "conv_dim": (2 * kd + vd) // world}
+        return LayerShard(params=params, attrs=attrs)

@@ -82,14 +82,15 @@ def _head_of(model: nn.Module) -> nn.Module:
 
 
 def _chunk_terms(h, w, b, th, tw, tb, tgt, head, salt_setter, salt):
-    if head is None:
-        s = F.linear(h, w, b).float()
+    if head is None:  # .to(): under --device_map the head may sit on another device than the last layer
+        s = F.linear(h.to(w.device), w, b).float()
     else:  # a routed head draws its routes per chunk: the salt keeps a recompute identical
         salt_setter(salt)
         s = head(h).float()
     with torch.no_grad():
-        t = F.linear(th, tw, tb).float().to(s.device)
+        t = F.linear(th.to(tw.device), tw, tb).float().to(s.device)
         t_log = F.log_softmax(t, dim=-1)
+    tgt = tgt.to(s.device)
     ce = F.cross_entropy(s, tgt, reduction="sum")
     kl = (t_log.exp() * (t_log - F.log_softmax(s, dim=-1))).sum()
     return ce, kl

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -142,6 +142,9 @@ class RunSetup:
     dtype: torch.dtype
     sensitivity: dict[str, list[float]] | None = None  # tensor -> s per rung (training/sensitivity.py)
     teacher_device: torch.device | None = None
+    tp: object | None = None  # parallel.TPContext of a tensor-parallel rank
+    tp_plan: object | None = None  # parallel.TPPlan
+    tp_sharded: set[str] = field(default_factory=set)  # gated tensors split across ranks
 
 
 def plan_run(cfg: TrainConfig, model: nn.Module, imx=None) -> tuple[ArchAdapter, list[TensorPlan], Budget]:
@@ -169,9 +172,10 @@ def _layout_provider(cfg: TrainConfig, adapter: ArchAdapter):
 def build_student(
     cfg: TrainConfig, base: nn.Module, plans: list[TensorPlan], budget: Budget, vectors: dict[str, np.ndarray],
     device: torch.device, dtype: torch.dtype, quantize=None, progress: bool = False,
-    init_logits: dict[str, torch.Tensor] | None = None,
+    init_logits: dict[str, torch.Tensor] | None = None, tp=None, tp_plan=None,
 ) -> dict[str, MixedQuant]:
-    """Quantize every candidate (through the cache), attach the gates; returns them by name."""
+    """Quantize every candidate (through the cache), attach the gates; returns them by name.
+    Under tensor parallelism each MixedQuant holds this rank's shard of every candidate."""
     weights = {n: w for n, (w, _) in selectable_weights(base).items()}
     blobs = candidate_blobs(plans, weights, vectors, quantize=quantize, progress=progress)
     del weights
@@ -182,11 +186,22 @@ def build_student(
         plan.name: build_mixed(
             plan, blobs.pop(plan.name), lazy=cfg.lazy, dtype=dtype, device=device,
             init_logits=init_logits[plan.name] if init_logits else prior_logits(plan, target_bpw),
+            shard=_shard_of(tp_plan, plan), rank=tp.rank if tp else 0, world=tp.world if tp else 1,
         )
         for plan in plans
     }
     attach_all(base, plans, mixed)
     return mixed
+
+
+def _shard_of(tp_plan, plan: TensorPlan):
+    if tp_plan is None:
+        return None
+    for name in (plan.name, *(f"{m}.weight" for m in plan.modules)):
+        sh = tp_plan.shard_of(name)
+        if sh is not None:
+            return sh
+    return None
 
 
 def candidate_blobs(plans: list[TensorPlan], weights: dict[str, torch.Tensor], vectors: dict[str, np.ndarray],

@@ -31,7 +31,7 @@ from .losses import distill_terms
 from .config import TrainConfig
 from .schedule import batch_indices, tau_at
 from .setup import (
-    TORCH_DTYPES, RunSetup, build_student, imatrix_vectors, load_imatrix, load_models, load_tokens, plan_run, tiny,
+    TORCH_DTYPES, RunSetup, _shard_of, build_student, imatrix_vectors, load_imatrix, load_models, load_tokens, plan_run, tiny,
 )
 
 log = logging.getLogger(__name__)
@@ -74,13 +74,16 @@ def resolve_device(spec: str) -> torch.device:
 
 
 def check_scale_flags(cfg: TrainConfig) -> None:
+    """Refuse the combinations tensor parallelism does not cover (before anything loads)."""
     if cfg.tensor_parallel > 1:
-        raise ConfigError(
-            f"--tensor_parallel {cfg.tensor_parallel} needs `voodoo tp --nproc {cfg.tensor_parallel} -- ...` "
-            "(torchrun); tensor parallelism is not built in this version"
-        )
-    if cfg.device_map:
-        raise ConfigError("--device_map (layer-wise placement) is not built in this version; use --device")
+        if cfg.lazy:
+            raise ConfigError("--lazy with --tensor_parallel is not supported: each rank holds its candidates' shards "
+                              "dequantized; drop --lazy (TP already divides the candidate memory by the degree)")
+        if cfg.ptqr or cfg.st_gumbel_fraction > 0:
+            raise ConfigError("--ptqr / --st_gumbel_fraction are single-device modes; drop them with --tensor_parallel")
+        if cfg.method != "gates" or cfg.finalize_from_partial:
+            raise ConfigError("--method sensitivity and --finalize_from_partial train nothing: run them without "
+                              "--tensor_parallel")
 
 
 def distill_losses(s_logits: torch.Tensor, t_logits: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,10 +106,21 @@ class Trainer:
         self.run: RunSetup | None = None
 
     # -- setup -------------------------------------------------------------------------------
+    @property
+    def is_main(self) -> bool:
+        """The process that writes the outputs (always, unless a tensor-parallel rank > 0)."""
+        return self.run is None or self.run.tp is None or self.run.tp.is_main
+
     def prepare(self, *, build: bool = True) -> RunSetup:
         cfg = self.cfg
         check_scale_flags(cfg)
-        device = resolve_device(cfg.device)
+        tp = None
+        if cfg.tensor_parallel > 1:
+            from ..parallel import TPContext
+
+            tp = TPContext.current(cfg.tensor_parallel)
+        devices = _devices(cfg, tp)
+        device = devices[0]
         dtype = TORCH_DTYPES[cfg.dtype]
         if build:
             fileio.ensure_writable(cfg.out_dir)  # before minutes of loading and quantizing
@@ -118,19 +132,39 @@ class Trainer:
         imx = load_imatrix(cfg)
         adapter, plans, budget = plan_run(cfg, base, imx)
         vectors = imatrix_vectors(imx, plans)
+        tp_plan = None
+        if tp is not None:
+            from ..parallel import plan_tp
+
+            tp_plan = plan_tp(base, adapter, tp.world, plans)  # refuses a degree that cannot split, before work
         mixed = {}
         self.run = RunSetup(cfg, adapter, base, teacher, tokens, plans, budget, mixed, {}, device, dtype,
-                            teacher_device=resolve_device(cfg.teacher_device) if cfg.teacher_device else device)
+                            teacher_device=resolve_device(cfg.teacher_device) if cfg.teacher_device else device,
+                            tp=tp, tp_plan=tp_plan)
         if cfg.needs_sensitivity:
             from .sensitivity import ensure_table
 
-            self.run.sensitivity = ensure_table(cfg, base, plans, vectors, tokens, progress=self.progress)
+            with _main_first(tp):  # rank 0 computes and saves the table; the others load it
+                self.run.sensitivity = ensure_table(cfg, base, plans, vectors, tokens, progress=self.progress)
         if build and cfg.method == "gates":
             check_space(cfg, plans)
             init = methods.warm_start_logits(self.run) if cfg.warm_start else None
-            mixed.update(build_student(cfg, base, plans, budget, vectors, device, dtype, progress=self.progress,
-                                       init_logits=init))
+            with _main_first(tp):  # rank 0 fills the candidate cache; the others read it
+                mixed.update(build_student(cfg, base, plans, budget, vectors, device, dtype, progress=self.progress,
+                                           init_logits=init, tp=tp, tp_plan=tp_plan))
+            if tp is not None:
+                from ..parallel import apply_tp
+
+                apply_tp(base, tp_plan, tp, gated=mixed)
+                apply_tp(teacher, tp_plan, tp)
+                self.run.tp_sharded = {p.name for p in plans if _shard_of(tp_plan, p) is not None}
             teacher.to(self.run.teacher_device)
+            if len(devices) > 1 or cfg.device_map:
+                from ..parallel import apply_device_map
+
+                apply_device_map(base, devices)
+                if not cfg.teacher_device:
+                    apply_device_map(teacher, devices)
             if cfg.gradient_checkpointing and hasattr(base, "gradient_checkpointing_enable"):
                 base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
                 base.train()  # HF only checkpoints in training mode; the models have no dropout left active
@@ -151,8 +185,9 @@ class Trainer:
         cfg = run.cfg
         out_dir = cfg.out_dir
         _check_writable(out_dir)
-        fileio.remove_stale_temps(out_dir, (journal.JOURNAL_NAME, LOG_NAME, "assignment.json", "tensor-types.txt",
-                                            cfg.output_name))  # left by a run killed mid-write
+        if self.is_main:
+            fileio.remove_stale_temps(out_dir, (journal.JOURNAL_NAME, LOG_NAME, "assignment.json", "tensor-types.txt",
+                                                cfg.output_name))  # left by a run killed mid-write
         gates = [m.gates for m in run.mixed.values()]
         opt = torch.optim.Adam(gates, lr=cfg.lr)
         torch.manual_seed(cfg.seed)
@@ -182,11 +217,12 @@ class Trainer:
             m = self._step(run, opt, step)
             faults.hit("step")  # tests: killed after the update, before the log and the journal
             history.append(m)
-            _append_log(cfg.log_path, m, truncate=(step == start))
+            if self.is_main:
+                _append_log(cfg.log_path, m, truncate=(step == start))
             if self.on_step:
                 self.on_step(m)
             done = step + 1
-            if done % cfg.partial_save_interval == 0 or done == cfg.max_steps:
+            if self.is_main and (done % cfg.partial_save_interval == 0 or done == cfg.max_steps):
                 journal.save(
                     jpath,
                     journal.JournalState(
@@ -210,18 +246,30 @@ class Trainer:
             ids = run.tokens[batch_indices(pos, cfg.batch_size, run.tokens.shape[0], cfg.seed)].to(run.device)
             with routing.routed(run.student, router):  # backward inside: checkpoint recomputes route too
                 with parametrize.cached():
-                    ce_m, kl_m = distill_terms(run.student, run.teacher, ids, chunk_tokens=cfg.loss_chunk_size,
-                                               teacher_device=run.teacher_device, router=router)
+                    if run.tp is not None:
+                        from ..parallel import tp_distill_terms
+
+                        ce_m, kl_m = tp_distill_terms(run.student, run.teacher, ids, run.tp,
+                                                      chunk_tokens=cfg.loss_chunk_size, teacher_device=run.teacher_device)
+                    else:
+                        ce_m, kl_m = distill_terms(run.student, run.teacher, ids, chunk_tokens=cfg.loss_chunk_size,
+                                                   teacher_device=run.teacher_device, router=router)
                 ((ce_m + cfg.distill_weight * kl_m) / acc_n).backward()
             ce, kl, n_tok = ce + float(ce_m.detach()) / acc_n, kl + float(kl_m.detach()) / acc_n, n_tok + ids.numel()
-        expected = sum(mq.expected_bytes() for mq in run.mixed.values())
+        if run.tp is not None:  # the shards' contributions to each gate gradient, summed
+            from ..parallel import sync_gate_grads
+
+            sync_gate_grads([mq.gates for n, mq in run.mixed.items() if n in run.tp_sharded], run.tp)
+        from ..parallel import gate_sum
+
+        expected = gate_sum((mq.expected_bytes() for mq in run.mixed.values()), run.device)
         pen = size_penalty(expected, run.budget.train_target_bytes, cfg.size_tolerance, cfg.size_weight)
         if pen.requires_grad:
             pen.backward()
         loss = ce + cfg.distill_weight * kl + float(pen.detach())
         opt.step()
         with torch.no_grad():
-            ent = torch.stack([mq.entropy() for mq in run.mixed.values()]).mean()
+            ent = torch.stack([mq.entropy().cpu() for mq in run.mixed.values()]).mean()
         dt = time.perf_counter() - t0
         return StepMetrics(
             step=step + 1, loss=float(loss), ce=float(ce), kl=float(kl), size_penalty=float(pen.detach()),
@@ -253,6 +301,10 @@ class Trainer:
             polished = polish(run.plans, run.sensitivity, res.choice, lower=run.budget.target_bytes * (1 - run.budget.tolerance),
                               upper=run.budget.upper_bytes, upgrades=cfg.upgrades)
             res.choice, res.total_bytes = polished.choice, polished.total_bytes
+        if run.tp is not None:
+            from ..parallel import check_same_choice
+
+            check_same_choice(res.choice, run.tp)
         faults.hit("bake")
         tensors = {}
         for p in run.plans:
@@ -275,6 +327,9 @@ class Trainer:
             },
         )
         out = cfg.out_dir
+        if not self.is_main:  # rank 0 writes; the others return the same (checked) result
+            return TrainResult(asg, res, out / cfg.output_name, out / "assignment.json", out / "tensor-types.txt",
+                               history, resumed_from)
         asg_path = asg.save(out / "assignment.json")
         tt_path = asg.save_tensor_types(out / "tensor-types.txt") if all(t.gguf_name for t in tensors.values()) else out / "tensor-types.txt"
         pt_path = fileio.torch_save(
@@ -288,6 +343,37 @@ class Trainer:
             },
         )
         return TrainResult(asg, res, pt_path, asg_path, tt_path, history, resumed_from)
+
+
+def _devices(cfg: TrainConfig, tp) -> list[torch.device]:
+    """The devices of this process: ``--device_map``'s list, or one device (a TP rank's own)."""
+    if cfg.device_map:
+        from ..parallel import parse_device_map
+
+        return [resolve_device(d) for d in parse_device_map(cfg.device_map)]
+    spec = cfg.device
+    if tp is not None and spec.startswith("cuda") and ":" not in spec:
+        import os
+
+        spec = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"  # one GPU per torchrun process
+    return [resolve_device(spec)]
+
+
+class _main_first:
+    """``with _main_first(tp):`` rank 0 runs the body first (filling a file or cache the others
+    then read); without tensor parallelism it is a no-op."""
+
+    def __init__(self, tp):
+        self.tp = tp
+
+    def __enter__(self):
+        if self.tp is not None and not self.tp.is_main:
+            self.tp.barrier()
+
+    def __exit__(self, *exc):
+        if self.tp is not None and self.tp.is_main and exc[0] is None:
+            self.tp.barrier()
+        return False
 
 
 def _disable_dropout(model) -> None:

@@ -1,0 +1,92 @@
+"""One tensor-parallel equivalence case, shared by the test (single process) and the torchrun
+worker (each rank): tiny models of every TP adapter, one step's loss and gate gradients, and the
+assignment baked after a short run.
+
+    python -m torch.distributed.run --nproc_per_node 2 tests/helpers/tp_case.py ROOT OUT ARCH...
+
+ROOT holds the models written by `build_models`; each rank writes OUT/rank<r>.pt.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+ARCHS = ("llama", "qwen3", "qwen3_5", "lfm2")
+# 32-weight blocks: 256-wide rows split in two keep whole blocks on each rank.
+MENU = ("Q8_0", "Q5_0", "Q4_1", "Q4_0")
+
+
+def build_models(root: Path, archs=ARCHS) -> dict[str, Path]:
+    import transformers as T
+
+    common = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                  num_key_value_heads=2, bos_token_id=1, eos_token_id=2, max_position_embeddings=128,
+                  initializer_range=0.08)
+    out = {}
+    for arch in archs:
+        torch.manual_seed(0)
+        if arch == "llama":
+            m = T.LlamaForCausalLM(T.LlamaConfig(num_hidden_layers=2, head_dim=64, tie_word_embeddings=True, **common))
+        elif arch == "qwen3":  # untied head: the embedding and the head are split separately
+            m = T.Qwen3ForCausalLM(T.Qwen3Config(num_hidden_layers=2, head_dim=64, tie_word_embeddings=False, **common))
+        elif arch == "qwen3_5":
+            m = T.Qwen3_5ForCausalLM(T.Qwen3_5TextConfig(
+                num_hidden_layers=2, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
+                linear_key_head_dim=64, linear_value_head_dim=64, tie_word_embeddings=True,
+                layer_types=["linear_attention", "full_attention"], **common))
+        else:
+            m = T.Lfm2ForCausalLM(T.Lfm2Config(num_hidden_layers=2, layer_types=["conv", "full_attention"],
+                                               tie_word_embeddings=True, **common))
+        d = root / arch
+        m.save_pretrained(d / "model")
+        (d / "data").mkdir(parents=True, exist_ok=True)
+        g = torch.Generator().manual_seed(1)
+        torch.save(torch.randint(0, 512, (8, 40), generator=g), d / "data" / "train_tokens.pt")
+        out[arch] = d
+    return out
+
+
+def config(d: Path, out: Path, tp: int, **kw):
+    from voodoo_quant.training.config import TrainConfig
+
+    base = dict(model=str(d / "model"), data_dir=str(d / "data"), seq_len=32, batch_size=2, max_steps=3,
+                compression_ratio=0.62, candidate_types=MENU, output_dir=str(out), tensor_parallel=tp,
+                loss_chunk_size=24, lr=0.5)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def run_case(d: Path, out: Path, tp: int) -> dict:
+    """Step 1's (CE, KL) and gate gradients, then a 3-step run's per-step losses and assignment."""
+    from voodoo_quant.training.trainer import Trainer
+
+    tr = Trainer(config(d, out / "grad", tp))
+    run = tr.prepare()
+    opt = torch.optim.Adam([mq.gates for mq in run.mixed.values()], lr=run.cfg.lr)
+    m = tr._step(run, opt, 0)
+    grads = {n: mq.gates.grad.detach().clone() for n, mq in run.mixed.items()}
+    res = Trainer(config(d, out / "train", tp)).train()
+    return {"ce": m.ce, "kl": m.kl, "grads": grads,
+            "history": [(h.ce, h.kl, h.expected_bytes) for h in res.history],
+            "choice": dict(sorted(res.bake.choice.items())), "total_bytes": res.bake.total_bytes}
+
+
+def main(argv: list[str]) -> None:
+    import torch.distributed as dist
+
+    root, out, archs = Path(argv[0]), Path(argv[1]), argv[2:]
+    torch.set_num_threads(1)
+    results = {}
+    for arch in archs:
+        results[arch] = run_case(root / arch, out / arch, 2)
+    rank = dist.get_rank()
+    torch.save(results, out / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    main(sys.argv[1:])
