@@ -2,12 +2,12 @@
 # The SPEC reference recipe: Qwen3.8-27B (Qwen3.5-family hybrid) -> Voodoo30 on 4 GPUs, TP-4.
 #   data -> make-teacher -> imatrix -> voodoo tp (the recipe, flag for flag) -> export -> eval
 #
-# NOTE: `voodoo tp` is not built in this version. It validates every train flag exactly as
-# `voodoo train` does, checks the inputs (model dir, checkpoints, imatrix, tokens, GPU count),
-# and then refuses with "error: tensor-parallel training is not built in this version; ...".
-# With `set -e` this script therefore stops at step 4 today; steps 5-6 show what follows.
-# Until TP lands, a single large GPU can run the same flags through `voodoo train` without
-# --tensor_parallel (see configs/qwen35_08b_voodoo45.sh for a single-GPU launcher).
+# `voodoo tp` validates every train flag exactly as `voodoo train` does, checks the inputs
+# (model dir, checkpoints, imatrix, tokens, GPU count) and starts 4 ranks through torchrun, one GPU
+# each (`--device cuda:0` means "each rank on its own GPU" under torchrun). Each rank holds a
+# quarter of every layer's heads and features and of every candidate's bytes (--lazy); the gates
+# are shared, so the assignment equals a single-device run's. Tested on CPU with gloo on tiny
+# models of this architecture; never run at 27B on real GPUs by us (no GPU was available).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

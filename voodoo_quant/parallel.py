@@ -128,6 +128,14 @@ class LayerShard:
     attrs: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
+def launched_rank() -> int:
+    """This process's rank when torchrun started it (``RANK``), else 0."""
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
 # -- process group -----------------------------------------------------------------------------
 @dataclass
 class TPContext:
@@ -137,8 +145,9 @@ class TPContext:
     world: int
 
     @classmethod
-    def current(cls, expect_world: int) -> "TPContext":
-        """The initialized default group, initializing it from torchrun's environment if needed."""
+    def current(cls, expect_world: int, backend: str = "gloo") -> "TPContext":
+        """The initialized default group, initializing it from torchrun's environment if needed
+        (`backend`: gloo for CPU ranks, nccl for CUDA / ROCm ones)."""
         import torch.distributed as dist
 
         if not dist.is_available():
@@ -147,10 +156,8 @@ class TPContext:
             if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
                 raise ConfigError(f"--tensor_parallel {expect_world} runs under torchrun: use "
                                   f"`voodoo tp --nproc {expect_world} -- <train flags>`")
-            local = int(os.environ.get("LOCAL_RANK", "0"))
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
             if backend == "nccl":
-                torch.cuda.set_device(local)
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
             dist.init_process_group(backend)
         world = dist.get_world_size()
         if world != expect_world:

@@ -207,6 +207,108 @@ class PackedCandidates:
         return sum(p.numel() for p in self.packed)
 
 
+@dataclass
+class ShardedPacked:
+    """One tensor-parallel rank's lazy candidates: the ggml bytes of only the GGUF rows (a
+    column-parallel shard) or the whole blocks of every row (a row-parallel shard) that the rank's
+    part of the HF tensor comes from, dequantized on demand and put in HF order by two index
+    selections. Where the converter's layout scatters a shard across blocks (a transposed or
+    general permutation, or columns whose blocks the shard shares with another rank, as Qwen3.5's
+    value-head reorder of ssm_out can), the rank keeps the whole tensor's bytes and slices after
+    dequantizing: exact either way, and `full_fallback` says which path a tensor took."""
+
+    types: tuple[str, ...]
+    packed: list[torch.Tensor]
+    sub_shape: tuple[int, int]  # (rows, row length) of the held bytes
+    row_sel: torch.Tensor | None
+    col_sel: torch.Tensor | None
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    fallback: Callable[[torch.Tensor], torch.Tensor] | None = None
+    full_fallback: bool = False
+
+    def __call__(self, k: int) -> torch.Tensor:
+        from . import quants
+
+        m = quants.dequantize(self.packed[k], self.types[k], self.sub_shape)
+        if self.fallback is not None:
+            return self.fallback(m).to(self.dtype)
+        if self.row_sel is not None:
+            m = m.index_select(0, self.row_sel)
+        if self.col_sel is not None:
+            m = m.index_select(1, self.col_sel)
+        return m.reshape(self.shape).to(self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.numel() for p in self.packed)
+
+    @classmethod
+    def build(cls, plan: TensorPlan, blobs: Sequence[bytes], shard, rank: int, world: int,
+              device, dtype: torch.dtype) -> "ShardedPacked":
+        types = tuple(plan.menu.types)
+        R, C = plan.rows, plan.n_per_row
+        sel = shard.index(rank, world).numpy()
+        full_shape = tuple(plan.shape)
+        shape = tuple(len(sel) if d == shard.dim else n for d, n in enumerate(full_shape))
+        inner = getattr(plan.layout, "inner", None)
+        rows = getattr(inner, "rows", None)
+        cols = getattr(inner, "cols", None)
+        simple = len(full_shape) == 2 and (inner is None or (not inner.transposed and inner.gather is None))
+        raw = [np.frombuffer(b, dtype=np.uint8) for b in blobs]
+
+        def as_t(a) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+
+        def idx(a) -> torch.Tensor:
+            return torch.as_tensor(np.asarray(a, dtype=np.int64), device=device)
+
+        if simple:
+            src_rows = np.arange(R) if rows is None else np.asarray(rows)  # GGUF row i holds HF row src_rows[i]
+            src_cols = np.arange(C) if cols is None else np.asarray(cols)
+            if shard.dim == 0:
+                pos_of = np.full(R, -1, dtype=np.int64)
+                pos_of[src_rows] = np.arange(R)  # HF row -> GGUF row
+                g_rows = np.sort(pos_of[sel])
+                where = np.full(R, -1, dtype=np.int64)
+                where[g_rows] = np.arange(len(g_rows))
+                row_sel = where[pos_of[sel]]
+                inv_cols = None if cols is None else np.argsort(src_cols)
+                packed = [as_t(r.reshape(R, -1)[g_rows]) for r in raw]
+                return cls(types, packed, (len(g_rows), C), idx(row_sel), None if inv_cols is None else idx(inv_cols),
+                           shape, dtype)
+            gpos = np.full(C, -1, dtype=np.int64)
+            gpos[src_cols] = np.arange(C)  # HF col -> GGUF col
+            g_cols = np.sort(gpos[sel])
+            aligned = all(_whole_blocks(g_cols, qt.get(t).block) for t in types)
+            if aligned:
+                where = np.full(C, -1, dtype=np.int64)
+                where[g_cols] = np.arange(len(g_cols))
+                packed = []
+                for r, t in zip(raw, types):
+                    q = qt.get(t)
+                    blocks = np.unique(g_cols // q.block)
+                    packed.append(as_t(r.reshape(R, C // q.block, q.type_size)[:, blocks].reshape(R, -1)))
+                inv_rows = None if rows is None else np.argsort(src_rows)
+                return cls(types, packed, (R, len(g_cols)), None if inv_rows is None else idx(inv_rows),
+                           idx(where[gpos[sel]]), shape, dtype)
+        # scattered: whole tensor's bytes, dequantize then slice
+        index = shard.index(rank, world).to(device)
+
+        def fallback(m: torch.Tensor) -> torch.Tensor:
+            return plan.layout.from_gguf(m).index_select(shard.dim, index).contiguous()
+
+        return cls(types, [as_t(r) for r in raw], (R, C), None, None, shape, dtype, fallback=fallback, full_fallback=True)
+
+
+def _whole_blocks(cols: np.ndarray, block: int) -> bool:
+    """Sorted GGUF columns that are a union of whole `block`-wide blocks."""
+    if len(cols) % block:
+        return False
+    b = cols.reshape(-1, block)
+    return bool((b[:, 0] % block == 0).all() and (b == b[:, :1] + np.arange(block)).all())
+
+
 def candidate_bytes(
     plan: TensorPlan,
     weight: torch.Tensor,
@@ -257,9 +359,11 @@ def build_mixed(
     """A MixedQuant for `plan` from its candidates' bytes (eager: dequantized now; lazy: packed).
     With a `shard` (tensor parallelism, eager only) it holds rank `rank`'s part of every candidate
     and keeps the whole tensor's byte sizes, so every rank's gates see the same budget."""
+    if shard is not None and lazy:
+        cands_fn = ShardedPacked.build(plan, blobs, shard, rank, world, device, dtype)
+        return MixedQuant(plan.name, plan.menu.types, plan.sizes, cands_fn, cands_fn.shape, dtype=dtype,
+                          init_logits=init_logits)
     if shard is not None:
-        if lazy:
-            raise ValueError(f"{plan.name}: sharded candidates are dequantized (lazy + tensor parallel is refused earlier)")
         lib = ggml.lib()
         dense = [
             shard.take(plan.layout.from_gguf(torch.from_numpy(lib.dequantize(b, t, (plan.rows, plan.n_per_row), name=plan.name))),

@@ -4,7 +4,8 @@ assignment baked after a short run.
 
     python -m torch.distributed.run --nproc_per_node 2 tests/helpers/tp_case.py ROOT OUT ARCH...
 
-ROOT holds the models written by `build_models`; each rank writes OUT/rank<r>.pt.
+ROOT holds the models written by `build_models`; each rank writes OUT/rank<r>.pt. A case
+"ARCH:lazy" runs with --lazy (packed candidate shards).
 """
 
 from __future__ import annotations
@@ -59,16 +60,16 @@ def config(d: Path, out: Path, tp: int, **kw):
     return TrainConfig(**base)
 
 
-def run_case(d: Path, out: Path, tp: int) -> dict:
+def run_case(d: Path, out: Path, tp: int, **kw) -> dict:
     """Step 1's (CE, KL) and gate gradients, then a 3-step run's per-step losses and assignment."""
     from voodoo_quant.training.trainer import Trainer
 
-    tr = Trainer(config(d, out / "grad", tp))
+    tr = Trainer(config(d, out / "grad", tp, **kw))
     run = tr.prepare()
     opt = torch.optim.Adam([mq.gates for mq in run.mixed.values()], lr=run.cfg.lr)
     m = tr._step(run, opt, 0)
     grads = {n: mq.gates.grad.detach().clone() for n, mq in run.mixed.items()}
-    res = Trainer(config(d, out / "train", tp)).train()
+    res = Trainer(config(d, out / "train", tp, **kw)).train()
     return {"ce": m.ce, "kl": m.kl, "grads": grads,
             "history": [(h.ce, h.kl, h.expected_bytes) for h in res.history],
             "choice": dict(sorted(res.bake.choice.items())), "total_bytes": res.bake.total_bytes}
@@ -80,8 +81,9 @@ def main(argv: list[str]) -> None:
     root, out, archs = Path(argv[0]), Path(argv[1]), argv[2:]
     torch.set_num_threads(1)
     results = {}
-    for arch in archs:
-        results[arch] = run_case(root / arch, out / arch, 2)
+    for case in archs:  # "arch" or "arch:lazy"
+        arch, _, mode = case.partition(":")
+        results[case] = run_case(root / arch, out / case.replace(":", "-"), 2, lazy=(mode == "lazy"))
     rank = dist.get_rank()
     torch.save(results, out / f"rank{rank}.pt")
     dist.destroy_process_group()

@@ -46,3 +46,7 @@ for _name in COMMAND_MODULES:
 
 def main() -> None:
     app(prog_name="voodoo")
+
+
+if __name__ == "__main__":  # torchrun starts the ranks as `python -m voodoo_quant.cli.app train ...`
+    main()

@@ -1,16 +1,17 @@
 """`voodoo tp --nproc N -- <train flags>`: tensor-parallel training through torchrun.
 
-It validates the train flags exactly as `voodoo train` does, then checks what the run needs
-(model files, devices) in that order and says plainly what is missing.
+It validates the train flags exactly as `voodoo train` does, checks what the run needs (model
+files, devices) in that order and says plainly what is missing, then starts the ranks
+(voodoo_quant/tools/launch.py).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+import shlex
 
 import typer
 
-from ..errors import ConfigError, NotBuiltYetError
+from ..errors import ConfigError
 from .argv import declared_flags, normalize
 from .common import report_errors
 
@@ -39,29 +40,17 @@ def register(app: typer.Typer) -> None:
     def tp(
         ctx: typer.Context,
         nproc: int = typer.Option(..., "--nproc", help="Processes (one per device) that torchrun starts."),
+        print_only: bool = typer.Option(False, "--print_only", help="Print the torchrun command and environment; start nothing."),
     ) -> None:
         """Tensor-parallel `voodoo train` through torchrun: voodoo tp --nproc N -- <train flags>."""
-        if nproc < 1:
-            raise ConfigError(f"--nproc must be >= 1, got {nproc}")
-        cfg = parse_train_flags(list(ctx.args))
-        if cfg.tensor_parallel not in (1, nproc):
-            raise ConfigError(f"--tensor_parallel {cfg.tensor_parallel} disagrees with --nproc {nproc}")
-        if not Path(cfg.model).is_dir():
-            raise ConfigError(f"--model {cfg.model}: no such model directory (the flags themselves are valid)")
-        for flag, path in (("--base_checkpoint", cfg.base_checkpoint), ("--teacher_checkpoint", cfg.teacher_checkpoint),
-                           ("--imatrix", cfg.imatrix)):
-            if path and not Path(path).is_file():
-                raise ConfigError(f"{flag} {path}: no such file")
-        if not cfg.data_path.is_file():
-            raise ConfigError(f"tokens file {cfg.data_path} not found (--data_dir / --data_name)")
-        from ..hardware import detect
+        from ..tools.launch import check_inputs, plan_launch, run_launch
 
-        accel = detect()
-        if accel.is_gpu and len(accel.devices) < nproc:
-            raise ConfigError(f"--nproc {nproc} needs {nproc} GPUs; found {len(accel.devices)}: {accel.reason}")
-        if not accel.is_gpu and cfg.device != "cpu":
-            raise ConfigError(f"--device {cfg.device} but no GPU is usable: {accel.reason}")
-        raise NotBuiltYetError(
-            "tensor-parallel training is not built in this version; the flags and inputs are valid. "
-            f"Run single-device with `voodoo train` (drop --tensor_parallel) meanwhile"
-        )
+        args = list(ctx.args)
+        cfg = parse_train_flags(args)
+        check_inputs(cfg, nproc)
+        launch = plan_launch(args, nproc)
+        for k, v in launch.applied.items():
+            typer.echo(f"[voodoo tp] {k}={v}")
+        typer.echo("[voodoo tp] " + shlex.join(launch.argv))
+        if not print_only:
+            run_launch(launch)

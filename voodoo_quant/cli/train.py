@@ -84,7 +84,13 @@ def register(app: typer.Typer) -> None:
         from ..training.report import print_dry_run, print_result, progress_reporter
         from ..training.trainer import Trainer
 
+        from ..parallel import launched_rank
+
         cfg = build_config(**{k: v for k, v in locals().items() if k in _FIELDS})
+        if cfg.tensor_parallel > 1 and launched_rank() > 0:  # rank 0 reports and writes; the others compute
+            rank = Trainer(cfg)
+            rank.prepare(build=False) if dry_run else rank.train()
+            return
         trainer = Trainer(cfg, progress=True)
         if dry_run:
             trainer.prepare(build=False)

@@ -76,9 +76,6 @@ def resolve_device(spec: str) -> torch.device:
 def check_scale_flags(cfg: TrainConfig) -> None:
     """Refuse the combinations tensor parallelism does not cover (before anything loads)."""
     if cfg.tensor_parallel > 1:
-        if cfg.lazy:
-            raise ConfigError("--lazy with --tensor_parallel is not supported: each rank holds its candidates' shards "
-                              "dequantized; drop --lazy (TP already divides the candidate memory by the degree)")
         if cfg.ptqr or cfg.st_gumbel_fraction > 0:
             raise ConfigError("--ptqr / --st_gumbel_fraction are single-device modes; drop them with --tensor_parallel")
         if cfg.method != "gates" or cfg.finalize_from_partial:
@@ -118,7 +115,7 @@ class Trainer:
         if cfg.tensor_parallel > 1:
             from ..parallel import TPContext
 
-            tp = TPContext.current(cfg.tensor_parallel)
+            tp = TPContext.current(cfg.tensor_parallel, "gloo" if cfg.device == "cpu" else "nccl")
         devices = _devices(cfg, tp)
         device = devices[0]
         dtype = TORCH_DTYPES[cfg.dtype]
@@ -352,10 +349,11 @@ def _devices(cfg: TrainConfig, tp) -> list[torch.device]:
 
         return [resolve_device(d) for d in parse_device_map(cfg.device_map)]
     spec = cfg.device
-    if tp is not None and spec.startswith("cuda") and ":" not in spec:
+    if tp is not None and spec.startswith("cuda"):
         import os
 
-        spec = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"  # one GPU per torchrun process
+        # Under torchrun --device names the kind (the recipe says cuda:0): each rank takes its own GPU.
+        spec = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
     return [resolve_device(spec)]
 
 

@@ -1,0 +1,217 @@
+"""Scale-out (issue 6): shards, refusals, lazy shards, --device_map, and tensor parallelism on CPU
+with gloo: two torchrun ranks must reproduce the single-process loss, gate gradients and baked
+assignment for a tiny model of every adapter that shards."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from voodoo_quant.arch.base import GenericAdapter
+from voodoo_quant.errors import ConfigError
+from voodoo_quant.parallel import Shard, plan_tp, split_layers
+from voodoo_quant.training.config import TrainConfig
+from voodoo_quant.training.trainer import Trainer
+
+sys.path.insert(0, str(Path(__file__).parent / "helpers"))
+import tp_case  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tp_models(tmp_path_factory):
+    return tp_case.build_models(tmp_path_factory.mktemp("tp_models"))
+
+
+def _plans(d, tp=1, **kw):
+    from voodoo_quant.training.setup import load_models, plan_run
+
+    cfg = tp_case.config(d, d / "unused", tp, **kw)
+    base, _ = load_models(cfg, torch.float32)
+    adapter, plans, _ = plan_run(cfg, base)
+    return cfg, base, adapter, plans
+
+
+# -- shards --------------------------------------------------------------------------------------
+def test_shard_takes_matching_pieces_of_every_fused_group():
+    sh = Shard.fused_rows((4, 2), (4, 2), (8, 4))  # [q | k | v] with heads of 2, 2 and 4 rows
+    assert sh.index(0, 2).tolist() == [0, 1, 4, 5, 8, 9, 10, 11]
+    assert sh.index(1, 2).tolist() == [2, 3, 6, 7, 12, 13, 14, 15]
+    t = torch.arange(16.0).reshape(16, 1)
+    assert torch.cat([sh.take(t, r, 2) for r in range(2)]).sort(0).values.flatten().tolist() == list(range(16))
+    assert "do not split evenly" in Shard.rows(12, 4).why_not(2)  # 3 heads into 2 ranks
+    assert Shard.rows(12, 4).why_not(3) is None
+
+
+def test_vocab_shard_is_contiguous_and_may_be_uneven():
+    sh = Shard.vocab(10)
+    assert [sh.bounds(r, 3)[0] for r in range(3)] == [(0, 4), (4, 8), (8, 10)]
+    assert sh.why_not(3) is None
+    assert "empty" in Shard.vocab(4).why_not(3)  # ceil(4/3)=2: the third rank would get nothing
+
+
+def test_split_layers_contiguous_and_refuses_more_devices_than_layers():
+    assert split_layers(5, 2) == [0, 0, 0, 1, 1]
+    assert split_layers(4, 4) == [0, 1, 2, 3]
+    with pytest.raises(ConfigError, match="3 devices for 2 decoder layers"):
+        split_layers(2, 3)
+
+
+# -- refusals ------------------------------------------------------------------------------------
+def test_tp_refuses_a_model_without_shard_layer(tp_models):
+    _, base, _, plans = _plans(tp_models["llama"])
+    with pytest.raises(ConfigError, match="needs an architecture adapter with shard_layer"):
+        plan_tp(base, GenericAdapter(base.config), 2, plans)
+
+
+def test_tp_refuses_heads_that_do_not_split(tp_models):
+    _, base, adapter, plans = _plans(tp_models["llama"])
+    with pytest.raises(ConfigError, match=r"--tensor_parallel 4 cannot split model\.layers\.0\.self_attn\.k_proj\.weight: "
+                                          r"2 unit\(s\) of 64 do not split evenly into 4 ranks"):
+        plan_tp(base, adapter, 4, plans)
+
+
+def test_tp_refuses_a_split_inside_quantization_blocks(tp_models):
+    # 256-weight K blocks: o_proj / down_proj rows of 256 / 512 split in two leave 128 / 256 per rank
+    _, base, adapter, plans = _plans(tp_models["llama"], candidate_types=("Q8_0", "Q4_K"))
+    with pytest.raises(ConfigError, match=r"cannot split model\.layers\.0\.self_attn\.o_proj\.weight on quantization blocks: "
+                                          r"each rank would hold 128 of its 256 columns, not a multiple of Q4_K's block of 256"):
+        plan_tp(base, adapter, 2, plans)
+
+
+def test_tp_without_torchrun_says_how_to_launch(tp_models, tmp_path):
+    for k in ("RANK", "WORLD_SIZE"):
+        assert k not in os.environ
+    with pytest.raises(ConfigError, match=r"runs under torchrun: use `voodoo tp --nproc 2"):
+        Trainer(tp_case.config(tp_models["llama"], tmp_path, 2)).prepare()
+
+
+# -- lazy shards ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("arch", tp_case.ARCHS)
+def test_lazy_shards_hold_only_their_bytes_and_equal_the_dense_shard(tp_models, arch):
+    """Every rank's packed shard dequantizes to exactly the rank's slice of the whole candidate."""
+    from voodoo_quant.student import ShardedPacked, build_mixed, candidate_bytes, direct_quantize, selectable_weights
+
+    _, base, adapter, plans = _plans(tp_models[arch])
+    plan = plan_tp(base, adapter, 2, plans)
+    weights = {n: w for n, (w, _) in selectable_weights(base).items()}
+    checked = 0
+    for p in plans:
+        sh = next((plan.shard_of(n) for n in (p.name, *(f"{m}.weight" for m in p.modules)) if plan.shard_of(n)), None)
+        if sh is None:
+            continue
+        blobs = candidate_bytes(p, weights[p.name], {}, direct_quantize)
+        full = build_mixed(p, blobs, lazy=False, dtype=torch.float32)
+        total = 0
+        for r in range(2):
+            sp = ShardedPacked.build(p, blobs, sh, r, 2, "cpu", torch.float32)
+            if not sp.full_fallback:
+                total += sp.nbytes
+            for k in range(len(blobs)):
+                assert torch.equal(sp(k), sh.take(full.candidate(k), r, 2)), (p.name, r, k)
+        if total:
+            assert total == sum(len(b) for b in blobs), p.name  # the shards' bytes add up to the tensor's, exactly
+        checked += 1
+    assert checked >= 10
+
+
+# -- device map ----------------------------------------------------------------------------------
+def test_device_map_cpu_cpu_equals_one_device(tp_models, tmp_path):
+    d = tp_models["qwen3_5"]
+    one = Trainer(tp_case.config(d, tmp_path / "one", 1)).train()
+    two = Trainer(tp_case.config(d, tmp_path / "two", 1, device_map="cpu,cpu")).train()
+    assert [(h.ce, h.kl, h.expected_bytes) for h in one.history] == [(h.ce, h.kl, h.expected_bytes) for h in two.history]
+    assert one.bake.choice == two.bake.choice
+
+
+def test_device_map_refused_with_tensor_parallel(tp_models, tmp_path):
+    with pytest.raises(ConfigError, match="exclusive"):
+        tp_case.config(tp_models["llama"], tmp_path, 2, device_map="cpu,cpu")
+
+
+# -- tensor parallelism on CPU (gloo, 2 ranks through torchrun) ----------------------------------
+def _torchrun(args, tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", VOODOO_QUANT_WORKERS="1")
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *args],
+                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    return p
+
+
+@pytest.mark.slow
+def test_tp2_equals_single_process_for_every_adapter(tp_models, tmp_path):
+    cases = [*tp_case.ARCHS, "qwen3_5:lazy", "lfm2:lazy"]
+    root = Path(next(iter(tp_models.values()))).parent
+    _torchrun([str(ROOT / "tests" / "helpers" / "tp_case.py"), str(root), str(tmp_path / "tp"), *cases], tmp_path)
+    ranks = [torch.load(tmp_path / "tp" / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    torch.set_num_threads(1)
+    refs = {}
+    for case in cases:
+        arch = case.split(":")[0]
+        ref = refs.get(arch) or refs.setdefault(arch, tp_case.run_case(tp_models[arch], tmp_path / "one" / arch, 1))
+        for r, res in enumerate(ranks):
+            got = res[case]
+            assert got["ce"] == pytest.approx(ref["ce"], rel=1e-5), (case, r)
+            assert got["kl"] == pytest.approx(ref["kl"], rel=1e-4), (case, r)
+            assert set(got["grads"]) == set(ref["grads"])
+            for n, g in ref["grads"].items():
+                tol = 2e-4 * float(g.abs().max()) + 1e-9
+                assert float((got["grads"][n] - g).abs().max()) <= tol, (case, r, n)
+            for (ce, kl, eb), (ce0, kl0, eb0) in zip(got["history"], ref["history"]):
+                assert (ce, kl) == (pytest.approx(ce0, rel=1e-4), pytest.approx(kl0, rel=1e-3)), (case, r)
+                assert eb == pytest.approx(eb0, rel=1e-6), (case, r)
+            assert got["choice"] == ref["choice"], (case, r)  # exactly the same assignment
+            assert got["total_bytes"] == ref["total_bytes"]
+        assert all(torch.equal(ranks[0][case]["grads"][n], ranks[1][case]["grads"][n]) for n in ranks[0][case]["grads"])
+
+
+@pytest.mark.slow
+def test_voodoo_tp_cli_runs_the_ranks_and_writes_the_single_process_assignment(tp_models, tmp_path):
+    import json
+
+    d = tp_models["lfm2"]
+    flags = ["--model", str(d / "model"), "--data_dir", str(d / "data"), "--seq_len", "32", "--batch_size", "2",
+             "--max_steps", "3", "--compression_ratio", "0.62", "--candidate_types", *tp_case.MENU,
+             "--loss_chunk_size", "24"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", VOODOO_QUANT_WORKERS="1")
+    p = subprocess.run([str(Path(sys.executable).with_name("voodoo")), "tp", "--nproc", "2", "--", *flags,
+                        "--output_dir", str(tmp_path / "tp")], capture_output=True, text=True, env=env, timeout=900)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    assert "torch.distributed.run --standalone --nproc_per_node 2" in p.stdout
+    one = Trainer(tp_case.config(d, tmp_path / "one", 1)).train()
+    got = json.loads((tmp_path / "tp" / "assignment.json").read_text())["tensors"]
+    assert {n: t["qtype"] for n, t in got.items()} == {n: t.qtype for n, t in one.assignment.tensors.items()}
+
+
+def test_voodoo_tp_print_only_applies_the_vendor_defaults(tp_models, tmp_path):
+    d = tp_models["llama"]
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "VOODOO_QUANT_WORKERS")}
+    p = subprocess.run([str(Path(sys.executable).with_name("voodoo")), "tp", "--nproc", "2", "--print_only", "--",
+                        "--model", str(d / "model"), "--data_dir", str(d / "data"), "--compression_ratio", "0.6",
+                        "--output_dir", str(tmp_path)], capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "[voodoo tp] OMP_NUM_THREADS=" in p.stdout
+    assert "-m voodoo_quant.cli.app train" in p.stdout and "--tensor_parallel 2" in p.stdout
+    assert not (tmp_path / "assignment.json").exists()
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--nproc", "1"], "--nproc must be >= 2"),
+    (["--nproc", "2", "--", "--model", "/nonexistent", "--compression_ratio", "0.5"], "no such model directory"),
+    (["--nproc", "2", "--", "--model", "MODEL", "--compression_ratio", "0.5", "--tensor_parallel", "4"], "disagrees with --nproc 2"),
+])
+def test_voodoo_tp_refuses_bad_launches_in_one_line(tp_models, args, msg):
+    d = tp_models["llama"]
+    argv = [a.replace("MODEL", str(d / "model")) for a in args]
+    if argv[-1] == "1":
+        argv += ["--", "--model", str(d / "model"), "--compression_ratio", "0.5"]
+    p = subprocess.run([str(Path(sys.executable).with_name("voodoo")), "tp", *argv], capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0
+    lines = [ln for ln in (p.stdout + p.stderr).splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and msg in lines[0], lines
+    assert "Traceback" not in p.stderr
