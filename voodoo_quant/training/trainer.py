@@ -78,6 +78,9 @@ def check_scale_flags(cfg: TrainConfig) -> None:
     if cfg.tensor_parallel > 1:
         if cfg.ptqr or cfg.st_gumbel_fraction > 0:
             raise ConfigError("--ptqr / --st_gumbel_fraction are single-device modes; drop them with --tensor_parallel")
+        if cfg.teacher_device and cfg.teacher_device != cfg.device:
+            raise ConfigError("--teacher_device: under --tensor_parallel the teacher is split across the ranks' devices "
+                              "like the student; drop --teacher_device")
         if cfg.method != "gates" or cfg.finalize_from_partial:
             raise ConfigError("--method sensitivity and --finalize_from_partial train nothing: run them without "
                               "--tensor_parallel")
