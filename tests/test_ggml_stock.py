@@ -8,7 +8,6 @@ is quantized once by ``llama-quantize --pure`` and by the bridge, and every bloc
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import numpy as np
 import pytest

@@ -7,14 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 from voodoo_quant.arch.base import GenericAdapter
 from voodoo_quant.errors import ConfigError
 from voodoo_quant.parallel import Shard, plan_tp, split_layers
-from voodoo_quant.training.config import TrainConfig
 from voodoo_quant.training.trainer import Trainer
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))

@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 import torch.nn as nn
@@ -522,12 +522,6 @@ def _shares_mixed(a: nn.Module | None, b: nn.Module | None) -> bool:
     return a.parametrizations.weight[0] is b.parametrizations.weight[0]
 
 
-def module_device(mod: nn.Module) -> torch.device:
-    for t in list(mod.parameters()) + list(mod.buffers()):
-        return t.device
-    return torch.device("cpu")
-
-
 def gate_sum(values: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
     """Σ of per-tensor (differentiable) values living on several devices, on `device`."""
     total = None
@@ -536,5 +530,3 @@ def gate_sum(values: Iterable[torch.Tensor], device: torch.device) -> torch.Tens
         total = v if total is None else total + v
     return total if total is not None else torch.zeros((), dtype=torch.float64, device=device)
 
-
-ShardFn = Callable[[str], "Shard | None"]

@@ -98,7 +98,6 @@ def q4_k(blocks: torch.Tensor) -> torch.Tensor:
 @register("Q5_K")
 def q5_k(blocks: torch.Tensor) -> torch.Tensor:
     # block_q5_K: d, dmin, scales[12], qh[32], qs[128]; run g (0..7) takes bit g of qh[l] as 16.
-    n = blocks.shape[0]
     qh = f.bits(f.u8(blocks, 16, 32), 8).transpose(1, 2)  # (n, 8 runs, 32)
     q = _nibble_runs(f.u8(blocks, 48, 128)) + 16 * qh
     return _q45_k(blocks, q)
