@@ -76,3 +76,35 @@ def test_plot_writes_png(rep, tmp_path):
     rows = STOCK + [_row("v60", "voodoo", 95e6, 0.04, 60)]
     out = rep.plot({"rows": rows, "targets": rep.targets(rows, "s-Q8")}, tmp_path / "p.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# -- bench/ablation.py: the table of training modes --------------------------------------------
+
+@pytest.fixture(scope="module")
+def abl():
+    sys.path.insert(0, str(BENCH))
+    spec = importlib.util.spec_from_file_location("ablation", BENCH / "ablation.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["ablation"] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_ablation_table_reports_excess_relative_to_the_defaults(abl):
+    rows = [
+        {"variant": "soft-warm", "size_percent": 55, "size_bytes": 82e6, "kld_mean": 0.105, "steps": 25},
+        {"variant": "ptqr", "size_percent": 55, "size_bytes": 81e6, "kld_mean": 0.055, "steps": 25},
+        {"variant": "ptqr", "size_percent": 70, "size_bytes": 104e6, "kld_mean": 0.04, "steps": 25},
+    ]
+    md = abl.markdown({"floor": {"kld_mean": 0.005}, "setup": {}, "command": "cmd", "rows": rows})
+    lines = {ln.split(" | ")[0].strip("| "): ln for ln in md.splitlines() if ln.startswith("| ")}
+    assert "| ptqr | 25 | 81.00 | 0.0550 | 0.500 | 104.00 | 0.0400 | – |" == lines["ptqr"]  # no default at V70: no ratio
+    assert "| 1.000 |" in lines["soft-warm"] and "– | – | –" in lines["soft-warm"]  # V70 default not measured
+    # table rows follow the variant list's order, not the measurement order
+    assert md.index("| soft-warm |") < md.index("| ptqr |")
+
+
+def test_ablation_refuses_unknown_variants(abl, tmp_path):
+    (tmp_path / "settings.json").write_text("{}")
+    with pytest.raises(SystemExit, match="unknown nope"):
+        abl.parse(["--base", str(tmp_path), "--variants", "ptqr,nope"])
