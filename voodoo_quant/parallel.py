@@ -136,6 +136,15 @@ def launched_rank() -> int:
         return 0
 
 
+def shutdown() -> None:
+    """Destroy the default process group if one is up (a rank exiting with it alive can abort
+    in gloo's teardown: "terminate called without an active exception")."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 # -- process group -----------------------------------------------------------------------------
 @dataclass
 class TPContext:

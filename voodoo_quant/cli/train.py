@@ -82,25 +82,28 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Train the gates under the size budget, bake, and write the assignment."""
         from ..training.report import print_dry_run, print_result, progress_reporter
+        from ..parallel import launched_rank, shutdown
         from ..training.trainer import Trainer
 
-        from ..parallel import launched_rank
-
         cfg = build_config(**{k: v for k, v in locals().items() if k in _FIELDS})
-        if cfg.tensor_parallel > 1 and launched_rank() > 0:  # rank 0 reports and writes; the others compute
-            rank = Trainer(cfg)
-            rank.prepare(build=False) if dry_run else rank.train()
-            return
-        trainer = Trainer(cfg, progress=True)
-        if dry_run:
-            trainer.prepare(build=False)
-            print_dry_run(console, trainer.run)
-            return
-        with progress_reporter(console, trainer) as on_step:
-            trainer.on_step = on_step
-            trainer.prepare()
-            result = trainer.train()
-        print_result(console, trainer.run, result)
+        try:
+            if cfg.tensor_parallel > 1 and launched_rank() > 0:  # rank 0 reports and writes; the others compute
+                rank = Trainer(cfg)
+                rank.prepare(build=False) if dry_run else rank.train()
+                return
+            trainer = Trainer(cfg, progress=True)
+            if dry_run:
+                trainer.prepare(build=False)
+                print_dry_run(console, trainer.run)
+                return
+            with progress_reporter(console, trainer) as on_step:
+                trainer.on_step = on_step
+                trainer.prepare()
+                result = trainer.train()
+            print_result(console, trainer.run, result)
+        finally:
+            if cfg.tensor_parallel > 1:
+                shutdown()
 
 
 _FIELDS = {
