@@ -50,9 +50,5 @@ class ToolFailedError(VoodooError):
     """A stock llama.cpp tool ran and failed."""
 
 
-class NotBuiltYetError(VoodooError):
-    """A command of the spec that this version does not implement yet."""
-
-
 class DeviceError(ConfigError):
     """A ``--device`` that does not exist on this machine (the message lists those that do)."""
