@@ -12,7 +12,8 @@ import torch
 
 from voodoo_quant.arch.base import GenericAdapter
 from voodoo_quant.errors import ConfigError
-from voodoo_quant.parallel import Shard, plan_tp, split_layers
+from voodoo_quant.device_map import split_layers
+from voodoo_quant.parallel import Shard, plan_tp
 from voodoo_quant.training.trainer import Trainer
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))

@@ -160,7 +160,7 @@ class Trainer:
                 self.run.tp_sharded = {p.name for p in plans if _shard_of(tp_plan, p) is not None}
             teacher.to(self.run.teacher_device)
             if len(devices) > 1 or cfg.device_map:
-                from ..parallel import apply_device_map
+                from ..device_map import apply_device_map
 
                 apply_device_map(base, devices)
                 if not cfg.teacher_device:
@@ -260,7 +260,7 @@ class Trainer:
             from ..parallel import sync_gate_grads
 
             sync_gate_grads([mq.gates for n, mq in run.mixed.items() if n in run.tp_sharded], run.tp)
-        from ..parallel import gate_sum
+        from ..device_map import gate_sum
 
         expected = gate_sum((mq.expected_bytes() for mq in run.mixed.values()), run.device)
         pen = size_penalty(expected, run.budget.train_target_bytes, cfg.size_tolerance, cfg.size_weight)
@@ -348,7 +348,7 @@ class Trainer:
 def _devices(cfg: TrainConfig, tp) -> list[torch.device]:
     """The devices of this process: ``--device_map``'s list, or one device (a TP rank's own)."""
     if cfg.device_map:
-        from ..parallel import parse_device_map
+        from ..device_map import parse_device_map
 
         return [resolve_device(d) for d in parse_device_map(cfg.device_map)]
     spec = cfg.device
