@@ -186,7 +186,7 @@ def build_student(
         plan.name: build_mixed(
             plan, blobs.pop(plan.name), lazy=cfg.lazy, dtype=dtype, device=device,
             init_logits=init_logits[plan.name] if init_logits else prior_logits(plan, target_bpw),
-            shard=_shard_of(tp_plan, plan), rank=tp.rank if tp else 0, world=tp.world if tp else 1,
+            shard=plan_shard(tp_plan, plan), rank=tp.rank if tp else 0, world=tp.world if tp else 1,
         )
         for plan in plans
     }
@@ -194,7 +194,7 @@ def build_student(
     return mixed
 
 
-def _shard_of(tp_plan, plan: TensorPlan):
+def plan_shard(tp_plan, plan: TensorPlan):
     if tp_plan is None:
         return None
     for name in (plan.name, *(f"{m}.weight" for m in plan.modules)):

@@ -31,7 +31,7 @@ from .losses import distill_terms
 from .config import TrainConfig
 from .schedule import batch_indices, tau_at
 from .setup import (
-    TORCH_DTYPES, RunSetup, _shard_of, build_student, imatrix_vectors, load_imatrix, load_models, load_tokens, plan_run, tiny,
+    TORCH_DTYPES, RunSetup, plan_shard, build_student, imatrix_vectors, load_imatrix, load_models, load_tokens, plan_run, tiny,
 )
 
 log = logging.getLogger(__name__)
@@ -157,7 +157,7 @@ class Trainer:
 
                 apply_tp(base, tp_plan, tp, gated=mixed)
                 apply_tp(teacher, tp_plan, tp)
-                self.run.tp_sharded = {p.name for p in plans if _shard_of(tp_plan, p) is not None}
+                self.run.tp_sharded = {p.name for p in plans if plan_shard(tp_plan, p) is not None}
             teacher.to(self.run.teacher_device)
             if len(devices) > 1 or cfg.device_map:
                 from ..device_map import apply_device_map
