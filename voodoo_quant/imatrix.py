@@ -301,7 +301,8 @@ def _read_value(r: _Reader, t: int):
     return r.take(_SCALAR_FMT[t])
 
 
-def _parse_gguf(raw: bytes) -> Imatrix:
+def _gguf_header(raw: bytes) -> tuple[dict, list[tuple[str, list[int], int, int]], int]:
+    """(key/values, [(name, ne (ggml order), ggml type id, offset)], start of the data section)."""
     r = _Reader(raw)
     r.bytes(4)
     version, n_tensors, n_kv = r.take("Iqq")
@@ -314,12 +315,15 @@ def _parse_gguf(raw: bytes) -> Imatrix:
     infos = []
     for _ in range(n_tensors):
         name = r.string()
-        nd = r.take("I")
-        ne = [r.take("q") for _ in range(nd)]
+        ne = [r.take("q") for _ in range(r.take("I"))]
         gtype, off = r.take("iQ")
         infos.append((name, ne, gtype, off))
     align = int(kv.get("general.alignment", _ALIGN))
-    data0 = (r.pos + align - 1) // align * align
+    return kv, infos, (r.pos + align - 1) // align * align
+
+
+def _parse_gguf(raw: bytes) -> Imatrix:
+    kv, infos, data0 = _gguf_header(raw)
     sums: dict[str, np.ndarray] = {}
     counts: dict[str, np.ndarray] = {}
     for name, ne, gtype, off in infos:
@@ -473,19 +477,9 @@ def gguf_tensor_table(path: str | Path) -> dict[str, tuple[str, tuple[int, ...],
     vocabulary); used by tests and benches that compare tensors byte for byte.
     """
     raw = Path(path).read_bytes()
-    r = _Reader(raw)
-    r.bytes(4)
-    _, n_t, n_kv = r.take("Iqq")
-    kv = {}
-    for _ in range(n_kv):
-        k = r.string()
-        kv[k] = _read_value(r, r.take("i"))
-    infos = []
-    for _ in range(n_t):
-        name = r.string()
-        ne = [r.take("q") for _ in range(r.take("I"))]
-        t, off = r.take("iQ")
-        infos.append((name, tuple(reversed(ne)), qt.by_id(t).name, off))
-    align = int(kv.get("general.alignment", 32))
-    base = (r.pos + align - 1) // align * align
-    return {n: (t, shape, raw[base + off: base + off + qt.tensor_bytes(t, shape)]) for n, shape, t, off in infos}
+    _, infos, base = _gguf_header(raw)
+    out = {}
+    for name, ne, gtype, off in infos:
+        t, shape = qt.by_id(gtype).name, tuple(reversed(ne))
+        out[name] = (t, shape, raw[base + off: base + off + qt.tensor_bytes(t, shape)])
+    return out
