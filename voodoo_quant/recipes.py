@@ -19,6 +19,8 @@ Public API::
     gguf_inputs(path) -> (list[RecipeTensor], ModelParams)      # from an F32/F16/BF16 GGUF
     config_params(config) -> ModelParams                        # from an HF config
     stock_types(plans, config, ftype, has_imatrix, *, pure=False) -> {hf_name: qtype}
+    allows_quantization(name, shape, arch="") -> bool           # does the tool quantize it at all
+    canonical_ftype(name) -> str                                # "q4_k" -> "Q4_K_M"; RecipeError if unknown
 
 ``Recipe.types`` maps every tensor to the type in the output file (tensors the tool does not
 quantize keep their source type and are listed in ``Recipe.unquantized``); ``Recipe.needs_imatrix``
@@ -479,7 +481,9 @@ def config_params(config: Any) -> ModelParams:
                        n_expert if n_expert > 1 else 0)
 
 
-def stock_types(plans: Sequence[Any], config: Any, ftype: str, has_imatrix: bool, *, pure: bool = False) -> dict[str, str]:
+def stock_types(
+    plans: Sequence[Any], config: Any, ftype: str, has_imatrix: bool, *, pure: bool = False
+) -> dict[str, str]:
     """{HF tensor name: type} stock llama-quantize writes for each plan (``TensorPlan`` with
     ``.name``, ``.gguf_name``, ``.rows``, ``.n_per_row``) of a model quantized to `ftype`.
 
