@@ -297,7 +297,7 @@ class TorchEvalConfig:
 def evaluate_torch_cli(cfg: TorchEvalConfig) -> EvalRow:
     """The CLI's torch path: student from ``--model``, teacher from ``--teacher_checkpoint``."""
     from .data import load_tokens
-    from .teacher import module_from_checkpoint
+    from ..checkpoints import module_from_checkpoint
 
     tokens = load_tokens(cfg.eval_tokens, what="eval tokens")
     if cfg.max_sequences:

@@ -24,7 +24,7 @@ from .. import converter, faults, fileio, ggml
 from .. import qtypes as qt
 from ..assignment import Assignment
 from ..errors import ConfigError, CorruptFileError, QuantizationInputError
-from ..layout import find_layout, llama_quantize_allows, model_layouts
+from ..layout import checkpoint_tensors, find_layout, llama_quantize_allows, model_layouts
 
 # llama.cpp's file-type guess (src/llama-model-loader.cpp): the ftype of the dominant type.
 _TYPE_TO_FTYPE = {
@@ -102,19 +102,7 @@ def _bare_name(name: str) -> bool:
 
 def _checkpoint_elements(model: Path) -> int:
     """Number of weights in the checkpoint's safetensors, from their headers alone."""
-    import json
-    import struct
-
-    n = 0
-    for f in sorted(model.glob("*.safetensors")):
-        with open(f, "rb") as fh:
-            try:
-                (size,) = struct.unpack("<Q", fh.read(8))
-                header = json.loads(fh.read(size))
-            except (struct.error, ValueError, MemoryError) as e:
-                raise CorruptFileError(f"{f} is not a safetensors file: {e}") from None
-        n += sum(int(np.prod(v["shape"], dtype=np.int64)) for k, v in header.items() if k != "__metadata__")
-    return n
+    return sum(int(np.prod(shape, dtype=np.int64)) for shape in checkpoint_tensors(model).values())
 
 
 def check_space(cfg: ExportConfig, asg: Assignment, out_path: Path) -> None:
@@ -145,8 +133,6 @@ def _hf_dir_with_weights(model: Path, pt: Path, tmp: Path) -> Path:
     import torch
     from safetensors.torch import save_file
 
-    from ..layout import _checkpoint_tensors
-
     out = tmp / model.name
     out.mkdir()
     for f in model.iterdir():
@@ -155,7 +141,7 @@ def _hf_dir_with_weights(model: Path, pt: Path, tmp: Path) -> Path:
     sd = fileio.torch_load(pt, what="base checkpoint")
     if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
         raise CorruptFileError(f"{pt} is not a state dict of tensors")
-    known = _checkpoint_tensors(model)
+    known = checkpoint_tensors(model)
     stripped = {re.sub(r"^model\.language_model\.", "model.", k): k for k in known}
     tensors = {}
     for k, v in sd.items():

@@ -74,7 +74,7 @@ def load_models(cfg: TrainConfig, dtype: torch.dtype) -> tuple[nn.Module, nn.Mod
 def _load_into(model: nn.Module, path: str, what: str) -> None:
     """Load a plain state dict, a make-teacher base (``voodoo-base/1``) or teacher
     (``voodoo-teacher/1``, packed Q8_0) into `model`, checking names and shapes first."""
-    from ..tools.teacher import TEACHER_FORMAT, load_teacher
+    from ..checkpoints import TEACHER_FORMAT, load_teacher
 
     obj = fileio.torch_load(path, what=what)
     if isinstance(obj, dict) and obj.get("format") == TEACHER_FORMAT:
