@@ -40,6 +40,16 @@ _NOT_QUANTIZED = (
 )
 
 
+def ggml_n_dims(ne) -> int:
+    """ggml_n_dims (ggml/src/ggml.c): the dimensions up to the last one larger than 1, so a
+    [4096, 1] tensor counts as 1-D. `ne` in ggml order (ne[0] = row length)."""
+    ne = [int(x) for x in ne]
+    for i in range(len(ne) - 1, 0, -1):
+        if ne[i] > 1:
+            return i + 1
+    return 1
+
+
 def llama_quantize_allows(gguf_name: str, n_dims: int) -> bool:
     """Whether stock llama-quantize would quantize a tensor (src/llama-quant.cpp)."""
     if n_dims < 2 or not gguf_name.endswith("weight"):
@@ -267,7 +277,7 @@ def model_layouts(model_dir: str | Path, *, min_dims: int = 2) -> dict[str, Tens
             fac = {} if _is_identity(flat) else _factor(flat, hf2d, gshape)
             out[name] = TensorLayout(
                 hf_name=name, gguf_name=gguf_name, hf_shape=tuple(shape), gguf_shape=gshape,
-                quantizable=llama_quantize_allows(gguf_name, len(gshape)), **fac,
+                quantizable=llama_quantize_allows(gguf_name, ggml_n_dims(gshape[::-1])), **fac,
             )
     return out
 

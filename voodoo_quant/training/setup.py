@@ -145,6 +145,7 @@ class RunSetup:
     tp: object | None = None  # parallel.TPContext of a tensor-parallel rank
     tp_plan: object | None = None  # parallel.TPPlan
     tp_sharded: set[str] = field(default_factory=set)  # gated tensors split across ranks
+    provenance: dict = field(default_factory=dict)  # Assignment provenance fields (provenance.run_record)
 
 
 def plan_run(cfg: TrainConfig, model: nn.Module, imx=None) -> tuple[ArchAdapter, list[TensorPlan], Budget]:

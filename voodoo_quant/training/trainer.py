@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 from torch.nn.utils import parametrize
 
-from .. import faults, fileio
+from .. import faults, fileio, provenance
 from ..assignment import Assignment, TensorChoice
 from ..budget import size_penalty
 from ..errors import ConfigError
@@ -112,6 +112,7 @@ class Trainer:
         self.run = RunSetup(cfg, adapter, base, teacher, tokens, plans, budget, mixed, {}, device, dtype,
                             teacher_device=resolve_device(cfg.teacher_device) if cfg.teacher_device else device,
                             tp=tp, tp_plan=tp_plan)
+        self.run.provenance = provenance.run_record(cfg, plans, base, getattr(imx, "sha256", None))  # before any cast
         if cfg.needs_sensitivity:
             from .sensitivity import ensure_table
 
@@ -286,8 +287,8 @@ class Trainer:
             )
         final = history[-1].to_dict() if history else {}
         asg = Assignment(
-            tensors=tensors, model=str(cfg.model), imatrix=cfg.imatrix, imatrix_sha256=run.imatrix_info.get("sha256"),
-            target_bytes=run.budget.target_bytes,
+            tensors=tensors, model=str(cfg.model), target_bytes=run.budget.target_bytes,
+            **run.provenance,  # imatrix + sha256, base weights hash, libggml, menus (provenance.py)
             meta={
                 "q8_0_bytes": run.budget.q8_bytes, "min_bytes": run.budget.min_bytes, "max_bytes": run.budget.max_bytes,
                 "train_target_bytes": run.budget.train_target_bytes, "tolerance": run.budget.tolerance,
