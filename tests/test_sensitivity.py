@@ -25,7 +25,7 @@ def _cfg(d, out, **kw):
 
 @pytest.fixture(scope="module")
 def warm(gate_model_dir, tmp_path_factory):
-    tr = Trainer(_cfg(gate_model_dir, tmp_path_factory.mktemp("warm"), warm_start=True))
+    tr = Trainer(_cfg(gate_model_dir, tmp_path_factory.mktemp("warm"), warm_start=True, sensitivity_kind="output"))
     tr.prepare()
     return tr
 

@@ -94,6 +94,9 @@ class MixedQuant(nn.Module):
         self.gates = nn.Parameter(init)
         self.tau = 1.0
         self.baked: int | None = None
+        # (p, get, k): serve a mixture of external rungs (or, with p None, get(0) exactly) instead
+        # of the gates' own: the final search's probes and served assignments (training/rungs.py).
+        self.override: tuple | None = None
 
     # -- inspection ---------------------------------------------------------------------------
     @property
@@ -135,6 +138,9 @@ class MixedQuant(nn.Module):
 
     # -- parametrization forward --------------------------------------------------------------
     def forward(self, _original: torch.Tensor) -> torch.Tensor:
+        if self.override is not None:
+            p, get, k = self.override
+            return get(0).to(self.dtype) if p is None else _Mix.apply(p, get, k, self.dtype)
         if self.baked is not None:
             return self._get(self.baked).to(self.dtype)
         return _Mix.apply(self.probs(), self._get, self.k, self.dtype)

@@ -131,14 +131,26 @@ def parse_upgrades(text: str | None) -> tuple[Upgrade, ...]:
     return tuple(out)
 
 
-def apply_upgrades(name: str, menu: Sequence[str], index: int, upgrades: Sequence[Upgrade]) -> int:
-    """Move `index` along `menu` by every matching rule's levels (in order), clamped at its ends.
+def upgrade_key(name: str) -> str:
+    """The name every ``--tensor_upgrades`` pattern is matched against: the HF parameter name with
+    its trailing ``.weight`` removed, so ``mlp\\.(gate|up|down)_proj$`` matches as written in the
+    reference recipe. The one place that decides it (bake, repair, fill, polish, search)."""
+    return name[: -len(".weight")] if name.endswith(".weight") else name
 
-    The name matched is the HF parameter name with its trailing ``.weight`` removed, so that a
-    pattern like ``mlp\\.(gate|up|down)_proj$`` matches as written in the reference recipe.
-    """
-    key = name[: -len(".weight")] if name.endswith(".weight") else name
-    for up in upgrades:
-        if up.matches(key):
-            index = min(len(menu) - 1, max(0, index + up.levels))
+
+def matching_upgrades(name: str, upgrades: Sequence[Upgrade]) -> list[Upgrade]:
+    key = upgrade_key(name)
+    return [u for u in upgrades if u.matches(key)]
+
+
+def is_pinned(name: str, upgrades: Sequence[Upgrade]) -> bool:
+    """A tensor some ``--tensor_upgrades`` rule matches keeps the rung that rule gave it: repair,
+    fill, polish and the search never move it."""
+    return bool(matching_upgrades(name, upgrades))
+
+
+def apply_upgrades(name: str, menu: Sequence[str], index: int, upgrades: Sequence[Upgrade]) -> int:
+    """Move `index` along `menu` by every matching rule's levels (in order), clamped at its ends."""
+    for up in matching_upgrades(name, upgrades):
+        index = min(len(menu) - 1, max(0, index + up.levels))
     return index

@@ -16,11 +16,14 @@ D = "Data and outputs"
 H = "Hardware"
 J = "Journal"
 X = "Beyond the soft mixture"
+F = "After the bake: guarantee and search"
 
 
 def build_config(**kw):
-    from ..training.config import TrainConfig
+    from ..training.config import STOCK_REFERENCES, TrainConfig
 
+    refs = kw.get("stock_references")
+    kw["stock_references"] = STOCK_REFERENCES if refs is None else tuple(refs.replace(",", " ").split())
     return TrainConfig(**kw)
 
 
@@ -72,6 +75,7 @@ def register(app: typer.Typer) -> None:
         warm_start: bool = typer.Option(True, "--warm_start/--no_warm_start", help="Start the gates on the sensitivity knapsack's layout (default: on; better than cold at Voodoo55/65/70, worse at Voodoo75: see WHITEPAPER §4).", rich_help_panel=X),
         warm_start_mass: float = typer.Option(0.9, "--warm_start_mass", help="Probability of the layout's rung at step 0 under --warm_start.", rich_help_panel=X),
         sensitivity_sequences: int = typer.Option(4, "--sensitivity_sequences", help="Calibration sequences of the sensitivity table (first N of the tokens file).", rich_help_panel=X),
+        sensitivity_kind: str = typer.Option("fisher", "--sensitivity_kind", help="Sensitivity table of the knapsack, warm start and polish: fisher (predicted ΔKL from the Fisher diagonal: how the error reaches the loss) or output (each tensor's own imatrix-weighted output error).", rich_help_panel=X),
         polish: bool = typer.Option(True, "--polish/--no_polish", help="After the bake: one-rung moves ranked by sensitivity benefit per byte, inside the dead zone (default: on; helps at small sizes, hurt at Voodoo75: see WHITEPAPER §4).", rich_help_panel=X),
         loss_chunk_size: int = typer.Option(4096, "--loss_chunk_size", help="Tokens per LM-head chunk of CE/KL (exact; 0: whole logits).", rich_help_panel=O),
         grad_accum_steps: int = typer.Option(1, "--grad_accum_steps", help="Micro-batches of --batch_size per optimizer step.", rich_help_panel=O),
@@ -79,6 +83,10 @@ def register(app: typer.Typer) -> None:
         log_file: Optional[str] = typer.Option(None, "--log_file", help="JSONL run log, one line per step (default: <output_dir>/train_log.jsonl).", rich_help_panel=J),
         finalize_from_partial: Optional[str] = typer.Option(None, "--finalize_from_partial", help="Redo only the bake from this journal (partial.pt); no training.", rich_help_panel=J),
         resume_from_partial: Optional[str] = typer.Option(None, "--resume_from_partial", help="Resume training from this journal instead of <output_dir>/partial.pt.", rich_help_panel=J),
+        search_sequences: int = typer.Option(8, "--search_sequences", help="Training sequences held aside (the last N, at most a quarter of the file) on which the guarantee and the search measure KL(teacher ‖ baked student); 0: none (no guarantee, no search).", rich_help_panel=F),
+        search_evals: int = typer.Option(48, "--search_evals", help="Measured-KL evaluations of the final local search (one-rung moves and up/down pairs, ranked by the gates' gradient, kept only when the measured KL drops); 0: no search.", rich_help_panel=F),
+        guarantee: bool = typer.Option(True, "--guarantee/--no_guarantee", help="Measure the best uniform types, the stock llama-quantize recipes and the knapsack that fit the budget beside the gates' bake, and start the search from the best.", rich_help_panel=F),
+        stock_references: Optional[str] = typer.Option(None, "--stock_references", help="llama-quantize ftypes the guarantee considers (default: all; the largest three that fit are measured).", rich_help_panel=F),
     ) -> None:
         """Train the gates under the size budget, bake, and write the assignment."""
         from ..training.report import print_dry_run, print_result, progress_reporter
@@ -96,8 +104,9 @@ def register(app: typer.Typer) -> None:
                 trainer.prepare(build=False)
                 print_dry_run(console, trainer.run)
                 return
-            with progress_reporter(console, trainer) as on_step:
+            with progress_reporter(console, trainer) as (on_step, on_search):
                 trainer.on_step = on_step
+                trainer.on_search = on_search
                 trainer.prepare()
                 result = trainer.train()
             print_result(console, trainer.run, result)
@@ -114,5 +123,5 @@ _FIELDS = {
     "dtype", "lazy", "gradient_checkpointing", "no_compile", "tensor_parallel", "device_map", "partial_save_interval",
     "resume", "dry_run", "method", "ptqr", "st_gumbel_fraction", "st_gumbel_tau", "warm_start", "warm_start_mass",
     "sensitivity_sequences", "polish", "loss_chunk_size", "grad_accum_steps", "teacher_device", "log_file",
-    "finalize_from_partial", "resume_from_partial",
+    "finalize_from_partial", "resume_from_partial", "search_sequences", "search_evals", "guarantee", "stock_references", "sensitivity_kind",
 }

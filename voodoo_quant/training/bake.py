@@ -1,15 +1,20 @@
 """Bake: from trained gates to an assignment that is on budget.
 
 1. argmax of each tensor's gates;
-2. ``--tensor_upgrades``: matching tensors move ±n rungs along their own menu (clamped);
-3. repair, if the result is over ``target × (1 + tolerance)``: repeatedly move one tensor one
-   rung down, choosing the move that gives up the least gate probability per byte saved
-   (``(p_now − p_below) / bytes_saved``, ties broken by name) until the size is within budget;
+2. ``--tensor_upgrades``: matching tensors move ±n rungs along their own menu (clamped) and are
+   *pinned* there: nothing below (nor polish, nor the search) moves them again;
+3. repair, if the result is over ``target × (1 + tolerance)``: repeatedly move one unpinned tensor
+   one rung down, choosing the move that gives up the least gate score per byte saved,
+   ``(score_now − score_below) / bytes_saved`` (ties broken by name), until the size is within budget;
 4. fill, if the result is under ``target × (1 − tolerance)`` (an argmax taken before the gates
    have converged can land far below the budget it was trained for): the mirror image, one
-   rung up at a time, cheapest probability cost per byte added first, never past the upper
-   bound.
-Both are deterministic and touch first the tensors whose gates cared least.
+   rung up at a time, cheapest score cost per byte added first, never past the upper bound.
+
+The score of a rung is what the run learned about it and must still carry information at the end
+of training: the gate *logits* (temperature-free, i.e. log-probabilities at τ = 1 up to a
+constant), not the probabilities at τ_end, where every argmax has p ≈ 1 and every cost would be
+≈ 1/bytes (the largest tensors would move first whatever the gates said). ``--method sensitivity``
+passes −s, its sensitivity table.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import torch
 
 from ..budget import Budget
 from ..errors import ConfigError
-from ..menus import Upgrade, apply_upgrades
+from ..menus import Upgrade, apply_upgrades, is_pinned
 
 
 @dataclass
@@ -32,16 +37,25 @@ class BakeResult:
     repaired: int  # one-rung moves down (over budget)
     total_bytes: int
     filled: int = 0  # one-rung moves up (under budget)
+    pinned: tuple[str, ...] = ()  # tensors matched by --tensor_upgrades (never moved after step 2)
+
+
+def _as_list(v) -> list[float]:
+    return [float(x) for x in (v.tolist() if isinstance(v, torch.Tensor) else v)]
 
 
 def bake(
     plans: Sequence,  # TensorPlan: .name .menu.types .sizes
-    probs: Mapping[str, torch.Tensor],
+    scores: Mapping[str, Sequence[float] | torch.Tensor],
     budget: Budget,
     upgrades: Sequence[Upgrade] = (),
 ) -> BakeResult:
+    """`scores[t][k]`: how much the run prefers rung k of tensor t (higher is better): the gate
+    logits of a training run. The argmax of the scores is the starting choice."""
     by_name = {p.name: p for p in plans}
-    arg = {n: int(torch.argmax(probs[n]).item()) for n in by_name}
+    sc = {n: _as_list(scores[n]) for n in by_name}
+    arg = {n: max(range(len(v)), key=lambda k, v=v: (v[k], -k)) for n, v in sc.items()}
+    pinned = {n for n in by_name if is_pinned(n, upgrades)}
     choice = {}
     upgraded = 0
     for n, p in by_name.items():
@@ -52,20 +66,20 @@ def bake(
     while total > budget.upper_bytes:
         best = None
         for n, k in choice.items():
-            if k == 0:
+            if k == 0 or n in pinned:
                 continue
             p = by_name[n]
             saved = p.sizes[k] - p.sizes[k - 1]
             if saved <= 0:
                 continue
-            pr = probs[n]
-            cost = float(pr[k] - pr[k - 1]) / saved
-            key = (cost, n)
+            key = ((sc[n][k] - sc[n][k - 1]) / saved, n)
             if best is None or key < best[0]:
                 best = (key, n, saved)
         if best is None:
+            what = f" ({len(pinned)} tensor(s) pinned by --tensor_upgrades)" if pinned else ""
             raise ConfigError(
-                f"cannot bring the assignment within budget: {total:,} bytes > {budget.upper_bytes:,} with every tensor on its cheapest rung"
+                f"cannot bring the assignment within budget: {total:,} bytes > {budget.upper_bytes:,} with every "
+                f"unpinned tensor on its cheapest rung{what}"
             )
         _, n, saved = best
         choice[n] -= 1
@@ -77,13 +91,12 @@ def bake(
         best = None
         for n, k in choice.items():
             p = by_name[n]
-            if k + 1 >= len(p.sizes):
+            if n in pinned or k + 1 >= len(p.sizes):
                 continue
             added = p.sizes[k + 1] - p.sizes[k]
             if added <= 0 or total + added > budget.upper_bytes:
                 continue
-            pr = probs[n]
-            key = (float(pr[k] - pr[k + 1]) / added, n)
+            key = ((sc[n][k] - sc[n][k + 1]) / added, n)
             if best is None or key < best[0]:
                 best = (key, n, added)
         if best is None:
@@ -92,4 +105,4 @@ def bake(
         choice[n] += 1
         total += added
         filled += 1
-    return BakeResult(choice, arg, upgraded, repaired, total, filled)
+    return BakeResult(choice, arg, upgraded, repaired, total, filled, tuple(sorted(pinned)))

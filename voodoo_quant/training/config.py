@@ -15,6 +15,11 @@ from ..menus import DEFAULT_CANDIDATES, MenuConfig, parse_upgrades
 
 DTYPES = ("float32", "bfloat16", "float16")
 METHODS = ("gates", "sensitivity")
+SENSITIVITY_KINDS = ("fisher", "output")
+# The llama-quantize recipes the guarantee compares with (those that fit the budget; recipes.py).
+STOCK_REFERENCES = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "Q2_K_S", "Q2_K", "IQ3_XXS", "IQ3_XS",
+                    "IQ3_S", "IQ3_M", "Q3_K_S", "Q3_K_M", "Q3_K_L", "IQ4_NL", "IQ4_XS", "Q4_0", "Q4_1", "Q4_K_S",
+                    "Q4_K_M", "Q5_0", "Q5_1", "Q5_K_S", "Q5_K_M", "Q6_K", "Q8_0")
 
 
 def _types(v: Any) -> tuple[str, ...] | None:
@@ -84,6 +89,7 @@ class TrainConfig:
     warm_start: bool = True  # gates start concentrated on the sensitivity knapsack's layout
     warm_start_mass: float = 0.9  # probability of the layout's rung at step 0
     sensitivity_sequences: int = 4  # calibration sequences for the sensitivity table
+    sensitivity_kind: str = "fisher"  # "fisher" (ΔKL from the Fisher diagonal) or "output" (own output error)
     polish: bool = True  # knapsack polish of the baked assignment inside the dead zone
     loss_chunk_size: int = 4096  # tokens per LM-head chunk of the losses (0: whole logits)
     grad_accum_steps: int = 1
@@ -91,11 +97,17 @@ class TrainConfig:
     log_file: str | None = None  # JSONL run log (default: <output_dir>/train_log.jsonl)
     finalize_from_partial: str | None = None  # redo only the bake from this journal
     resume_from_partial: str | None = None  # resume from this journal (default: <output_dir>/partial.pt)
+    # after the bake (issue 15): training/{guarantee,search,objective}.py
+    search_sequences: int = 8  # training sequences held aside (the last N) to measure KL on
+    search_evals: int = 48  # measured-KL evaluations of the final search (0: no search)
+    guarantee: bool = True  # measure uniform / stock / knapsack references and start from the best
+    stock_references: tuple[str, ...] = STOCK_REFERENCES  # llama-quantize ftypes measured by the guarantee
 
     def __post_init__(self) -> None:
         self.candidate_types = _types(self.candidate_types) or DEFAULT_CANDIDATES
         self.attention_candidates = _types(self.attention_candidates)
         self.non_attention_candidates = _types(self.non_attention_candidates)
+        self.stock_references = tuple(self.stock_references or ())
         if not self.model:
             raise ConfigError("--model is required (an HF checkpoint directory)")
         if (self.compression_ratio is None) == (self.target_bits is None):
@@ -138,9 +150,13 @@ class TrainConfig:
             raise ConfigError(f"--method must be one of {', '.join(METHODS)}, got {self.method!r}")
         for flag, v, lo in (("--sensitivity_sequences", self.sensitivity_sequences, 1),
                             ("--loss_chunk_size", self.loss_chunk_size, 0),
-                            ("--grad_accum_steps", self.grad_accum_steps, 1)):
+                            ("--grad_accum_steps", self.grad_accum_steps, 1),
+                            ("--search_sequences", self.search_sequences, 0),
+                            ("--search_evals", self.search_evals, 0)):
             if not isinstance(v, int) or isinstance(v, bool) or v < lo:
                 raise ConfigError(f"{flag} must be an integer >= {lo}, got {v!r}")
+        if self.sensitivity_kind not in SENSITIVITY_KINDS:
+            raise ConfigError(f"--sensitivity_kind must be one of {', '.join(SENSITIVITY_KINDS)}, got {self.sensitivity_kind!r}")
         if not 0.0 <= self.st_gumbel_fraction <= 1.0:
             raise ConfigError(f"--st_gumbel_fraction must be in [0, 1], got {self.st_gumbel_fraction}")
         if not self.st_gumbel_tau > 0:
@@ -156,7 +172,12 @@ class TrainConfig:
 
     @property
     def needs_sensitivity(self) -> bool:
-        return self.warm_start or self.polish or self.method == "sensitivity"
+        return self.warm_start or self.polish or self.method == "sensitivity" or (self.guarantee and self.method == "gates")
+
+    @property
+    def measures(self) -> bool:
+        """Whether the bake is followed by measurements on held-aside sequences (guarantee, search)."""
+        return self.method == "gates" and (self.guarantee or self.search_evals > 0) and self.search_sequences > 0
 
     @property
     def log_path(self) -> Path:
@@ -198,7 +219,7 @@ class TrainConfig:
                        "no_compile", "gradient_checkpointing", "device", "device_map", "lazy",
                        # exact reformulations and bake-only settings: a journal stays valid across them
                        "loss_chunk_size", "teacher_device", "log_file", "finalize_from_partial",
-                       "resume_from_partial", "polish")
+                       "resume_from_partial", "polish", "search_evals", "guarantee", "stock_references")
 
     def result_hash(self) -> str:
         """Hash of the settings that determine the result (journal compatibility)."""

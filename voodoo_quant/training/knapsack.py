@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from ..menus import Upgrade
+from ..menus import Upgrade, is_pinned
 
 
 def _hull(sizes: Sequence[int], s: Sequence[float]) -> list[int]:
@@ -84,7 +84,7 @@ def polish(
 ) -> PolishResult:
     by = {p.name: p for p in plans}
     cur = dict(choice)
-    frozen = {n for n in by if any(u.matches(n) for u in upgrades)}
+    frozen = {n for n in by if is_pinned(n, upgrades)}
     total = sum(by[n].sizes[k] for n, k in cur.items())
     lo = min(lower, total)  # never end lower than the bake, never leave the zone once inside
     hi = upper

@@ -81,6 +81,10 @@ def _head_of(model: nn.Module) -> nn.Module:
     return model.get_output_embeddings()
 
 
+hidden_states = _hidden  # public names for the measured objective (objective.py)
+head_of = _head_of
+
+
 def _chunk_terms(h, w, b, th, tw, tb, tgt, head, salt_setter, salt):
     if head is None:  # .to(): under --device_map the head may sit on another device than the last layer
         s = F.linear(h.to(w.device), w, b).float()

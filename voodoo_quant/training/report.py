@@ -45,11 +45,13 @@ def print_dry_run(console: Console, run) -> None:
 def progress_reporter(console: Console, trainer) -> Iterator:
     total = trainer.cfg.max_steps
     cols = (
-        TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[stats]}"),
+        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[stats]}"),
         TimeElapsedColumn(), TimeRemainingColumn(),
     )
     with Progress(*cols, console=console, transient=False) as prog:
         task = prog.add_task("train", total=total, stats="building candidates…")
+
+        search: list = []
 
         def on_step(m) -> None:
             stats = (
@@ -59,7 +61,13 @@ def progress_reporter(console: Console, trainer) -> Iterator:
             )
             prog.update(task, completed=m.step, stats=stats)
 
-        yield on_step
+        def on_search(ev) -> None:
+            if not search:
+                search.append(prog.add_task("search", total=ev.max_evals, stats=""))
+            prog.update(search[0], completed=ev.evals,
+                        stats=f"held-aside KL {ev.kl:.5f}, {ev.accepted} move(s) kept, {_mb(ev.total_bytes)}")
+
+        yield on_step, on_search
 
 
 def print_result(console: Console, run, result) -> None:
@@ -75,6 +83,23 @@ def print_result(console: Console, run, result) -> None:
     console.print(t)
     b = run.budget
     counts = ", ".join(f"{k}×{v}" for k, v in asg.type_counts().items())
+    g = asg.meta.get("guarantee")
+    if g:
+        gt = Table(title="never worse: measured on held-aside calibration sequences (KL teacher ‖ student)")
+        for c in ("assignment", "bytes", "KL", "± s.e.", "vs written"):
+            gt.add_column(c)
+        for c in sorted(g["candidates"], key=lambda c: c["kl"]):
+            mark = " (start)" if c["name"] == g["winner"] else ""
+            gt.add_row(c["name"] + mark, f"{c['bytes']:,}", f"{c['kl']:.6f}", f"{c['kl_stderr']:.6f}",
+                       f"{c['kl'] / g['final_kl']:.3f}×" if g["final_kl"] > 0 else "-")
+        console.print(gt)
+        s = g.get("search")
+        if s:
+            console.print(f"search: {s['evals']} evaluation(s), {s['probes']} probe(s), {len(s['moves'])} move(s) kept: "
+                          f"KL {s['start_kl']:.6f} → {s['final_kl']:.6f} (± {s['final_kl_stderr']:.6f})")
+            for mv in s["moves"]:
+                ch = ", ".join(f"{n} {a}→{b}" for n, a, b in mv["changes"])
+                console.print(f"  {ch}: {mv['bytes']:+,} bytes, KL {mv['kl_before']:.6f} → {mv['kl_after']:.6f}")
     console.print(
         f"baked: {_mb(asg.total_bytes)} ({asg.bpw:.3f} bpw) vs target {_mb(b.target_bytes)} "
         f"(±{b.tolerance:.1%}); upgrades moved {result.bake.upgraded}, repair moves down {result.bake.repaired} / up {result.bake.filled}\n"

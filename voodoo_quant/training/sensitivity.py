@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -28,7 +29,7 @@ from .. import fileio, ggml
 log = logging.getLogger(__name__)
 
 TABLE_NAME = "sensitivity.pt"
-TABLE_VERSION = 1
+TABLE_VERSION = 2
 
 
 class _Stats:
@@ -126,21 +127,31 @@ def compute_table(
     return table
 
 
-def save_table(path: Path, table: Mapping[str, Sequence[float]], key: str, plans: Sequence) -> Path:
+def save_table(path: Path, table: Mapping[str, Sequence[float]], key: str, plans: Sequence,
+               curvature: Mapping[str, dict] | None = None) -> Path:
     menus = {p.name: list(p.menu.types) for p in plans}
     return fileio.torch_save(path, {"version": TABLE_VERSION, "key": key, "menus_json": json.dumps(menus),
-                                    "table_json": json.dumps({k: list(map(float, v)) for k, v in table.items()})})
+                                    "table_json": json.dumps({k: list(map(float, v)) for k, v in table.items()}),
+                                    "curvature_json": json.dumps(curvature) if curvature is not None else None})
 
 
-def load_table(path: Path, key: str) -> dict[str, list[float]] | None:
-    """The stored table if it was computed from the same inputs (`key`), else None."""
+def load_stored(path: Path, key: str) -> tuple[dict[str, list[float]], dict | None] | None:
+    """(table, curvature or None) if stored from the same inputs (`key`), else None."""
     if not path.exists():
         return None
     d = fileio.torch_load(path, what="sensitivity table")
     if not isinstance(d, dict) or d.get("version") != TABLE_VERSION or d.get("key") != key:
         log.info("%s was computed from other inputs; recomputing", path)
         return None
-    return {k: list(v) for k, v in json.loads(d["table_json"]).items()}
+    table = {k: list(v) for k, v in json.loads(d["table_json"]).items()}
+    curv = json.loads(d["curvature_json"]) if d.get("curvature_json") else None
+    return table, curv
+
+
+def load_table(path: Path, key: str) -> dict[str, list[float]] | None:
+    """The stored table if it was computed from the same inputs (`key`), else None."""
+    got = load_stored(path, key)
+    return None if got is None else got[0]
 
 
 def warm_logits(plans: Sequence, layout: Mapping[str, int], tau: float, mass: float) -> dict[str, torch.Tensor]:
@@ -158,25 +169,48 @@ def warm_logits(plans: Sequence, layout: Mapping[str, int], tau: float, mass: fl
     return out
 
 
+@dataclass
+class Sensitivity:
+    """A run's sensitivity table (tensor -> s per menu rung), and, for the Fisher kind or when the
+    search needs it, the curvature matrices (``fisher.curvature``) and the Fisher diagonal."""
+
+    table: dict[str, list[float]]
+    curvature: dict[str, dict] | None = None
+    fisher: dict[str, torch.Tensor] | None = None
+
+
 def ensure_table(cfg, base: nn.Module, plans: Sequence, vectors, tokens: torch.Tensor,
-                 *, progress: bool = False) -> dict[str, list[float]]:
-    """The run's sensitivity table: reused from ``<output_dir>/sensitivity.pt`` when it was made
-    from the same inputs, else computed from the float `base` (before the gates replace its
-    weights) on the first ``--sensitivity_sequences`` sequences, and saved there."""
+                 *, progress: bool = False, need_curvature: bool = False) -> Sensitivity:
+    """The run's sensitivity table of ``--sensitivity_kind``: reused from
+    ``<output_dir>/sensitivity.pt`` when it was made from the same inputs, else computed from the
+    float `base` (before the gates replace its weights) on the first ``--sensitivity_sequences``
+    sequences, and saved there. ``fisher`` (downstream-aware, ``fisher.py``) or ``output`` (each
+    tensor's own output error, above)."""
     from ..student import selectable_weights
+    from .fisher import curvature_table, fisher_diagonal
     from .setup import candidate_blobs
 
+    kind = cfg.sensitivity_kind
     calib = tokens[: cfg.sensitivity_sequences]
     from ..provenance import model_weights_sha256
 
     key = table_key(plans, calib, cfg.model, weights_sha256=model_weights_sha256(base, plans), vectors=vectors or {})
+    key = f"{key}-{kind}"
     path = cfg.out_dir / TABLE_NAME
-    table = load_table(path, key)
-    if table is not None and set(table) == {p.name for p in plans}:
-        return table
+    stored = load_stored(path, key)
+    names = {p.name for p in plans}
+    if stored is not None and set(stored[0]) == names and (stored[1] is not None or not need_curvature):
+        return Sensitivity(stored[0], stored[1])
     weights = {n: w for n, (w, _) in selectable_weights(base).items()}
     blobs = candidate_blobs(plans, weights, vectors, progress=progress)  # the cache training reads too
-    table = compute_table(base, plans, weights, lambda p: blobs.pop(p.name), calib)
+    curv = fish = None
+    if kind == "fisher" or need_curvature:
+        fish = fisher_diagonal(base, plans, calib, seed=cfg.seed)
+        curv = curvature_table(plans, weights, fish, lambda p: dict(zip(p.menu.types, blobs[p.name])))
+    if kind == "fisher":
+        table = {n: [c["m"][k][k] for k in range(len(c["types"]))] for n, c in curv.items()}
+    else:
+        table = compute_table(base, plans, weights, lambda p: blobs[p.name], calib)
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
-    save_table(path, table, key, plans)
-    return table
+    save_table(path, table, key, plans, curv)
+    return Sensitivity(table, curv, fish)

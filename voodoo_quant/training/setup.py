@@ -141,11 +141,24 @@ class RunSetup:
     device: torch.device
     dtype: torch.dtype
     sensitivity: dict[str, list[float]] | None = None  # tensor -> s per rung (training/sensitivity.py)
+    curvature: dict[str, dict] | None = None  # tensor -> {"types", "m"}: fisher.curvature, for the search
     teacher_device: torch.device | None = None
     tp: object | None = None  # parallel.TPContext of a tensor-parallel rank
     tp_plan: object | None = None  # parallel.TPPlan
     tp_sharded: set[str] = field(default_factory=set)  # gated tensors split across ranks
     provenance: dict = field(default_factory=dict)  # Assignment provenance fields (provenance.run_record)
+    held_tokens: torch.Tensor | None = None  # sequences held aside from training (guarantee, search)
+    references: object | None = None  # guarantee.References: the free assignments to beat
+    extra_blobs: dict[tuple[str, str], bytes] = field(default_factory=dict)  # (tensor, off-menu type) -> bytes
+
+
+def hold_aside(tokens: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(training sequences, the last `n` held aside): never fewer than one training sequence,
+    at most a quarter of the file held aside when the file is small."""
+    if n <= 0 or tokens.shape[0] < 2:
+        return tokens, None
+    n = min(n, max(1, tokens.shape[0] // 4))
+    return tokens[:-n], tokens[-n:]
 
 
 def plan_run(cfg: TrainConfig, model: nn.Module, imx=None) -> tuple[ArchAdapter, list[TensorPlan], Budget]:
@@ -203,6 +216,30 @@ def plan_shard(tp_plan, plan: TensorPlan):
         if sh is not None:
             return sh
     return None
+
+
+def extra_candidate_blobs(plans: list[TensorPlan], weights: dict[str, torch.Tensor], vectors: dict[str, np.ndarray],
+                          wanted: dict[str, set[str]], *, progress: bool = False) -> dict[tuple[str, str], bytes]:
+    """(tensor, type) -> ggml bytes for types off a tensor's menu (the guarantee's references),
+    through the same cache, quantizer and imatrix vector as the menu's candidates."""
+    from .. import qtypes as qt
+    from ..cache import CandidateCache
+    from ..precache import CandidateJob, build_all
+
+    jobs = []
+    for p in plans:
+        types = sorted(wanted.get(p.name, ()))
+        if not types:
+            continue
+        w = weights[p.name]
+        vec = vectors.get(p.gguf_name) if p.gguf_name is not None else None
+        provider = (lambda lay=p.layout, w=w: lay.to_gguf(w))
+        for t in types:
+            jobs.append(CandidateJob(p.name, t, provider=provider, imatrix=None if qt.get(t).is_float else vec))
+    if not jobs:
+        return {}
+    report = build_all(jobs, CandidateCache(), progress=progress)
+    return {(j.name, j.qtype): report.paths[(j.name, j.qtype)].read_bytes() for j in jobs}
 
 
 def candidate_blobs(plans: list[TensorPlan], weights: dict[str, torch.Tensor], vectors: dict[str, np.ndarray],

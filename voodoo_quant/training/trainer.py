@@ -31,7 +31,8 @@ from .losses import distill_terms
 from .config import TrainConfig
 from .schedule import batch_indices, tau_at
 from .setup import (
-    TORCH_DTYPES, RunSetup, plan_shard, build_student, imatrix_vectors, load_imatrix, load_models, load_tokens, plan_run, tiny,
+    TORCH_DTYPES, RunSetup, plan_shard, build_student, hold_aside, imatrix_vectors, load_imatrix, load_models, load_tokens,
+    plan_run, tiny,
 )
 
 log = logging.getLogger(__name__)
@@ -70,9 +71,10 @@ def check_scale_flags(cfg: TrainConfig) -> None:
 
 class Trainer:
     def __init__(self, cfg: TrainConfig, *, on_step: Callable[[StepMetrics], None] | None = None,
-                 progress: bool = False):
+                 progress: bool = False, on_search: Callable | None = None):
         self.cfg = tiny(cfg)
         self.on_step = on_step
+        self.on_search = on_search  # called with a search.SearchEvent after every measurement
         self.progress = progress
         self.run: RunSetup | None = None
 
@@ -113,11 +115,20 @@ class Trainer:
                             teacher_device=resolve_device(cfg.teacher_device) if cfg.teacher_device else device,
                             tp=tp, tp_plan=tp_plan)
         self.run.provenance = provenance.run_record(cfg, plans, base, getattr(imx, "sha256", None))  # before any cast
+        if build and cfg.method == "gates" and tp is None:
+            self.run.tokens, self.run.held_tokens = hold_aside(tokens, cfg.search_sequences)
         if cfg.needs_sensitivity:
             from .sensitivity import ensure_table
 
+            need_curv = build and self.measures and cfg.search_evals > 0
             with _main_first(tp):  # rank 0 computes and saves the table; the others load it
-                self.run.sensitivity = ensure_table(cfg, base, plans, vectors, tokens, progress=self.progress)
+                sens = ensure_table(cfg, base, plans, vectors, self.run.tokens, progress=self.progress,
+                                    need_curvature=need_curv)
+            self.run.sensitivity, self.run.curvature = sens.table, sens.curvature
+        if build and cfg.method == "gates" and self.measures:
+            self._plan_references(base, vectors, imx)
+            if cfg.search_evals > 0:
+                self._complete_curvature(base, vectors, sens)
         if build and cfg.method == "gates":
             check_space(cfg, plans)
             init = methods.warm_start_logits(self.run) if cfg.warm_start else None
@@ -144,6 +155,59 @@ class Trainer:
         info = {"path": cfg.imatrix, "sha256": getattr(imx, "sha256", None), "covered": len(vectors)}
         self.run.imatrix_info = info
         return self.run
+
+    @property
+    def measures(self) -> bool:
+        """Whether the bake is followed by the guarantee / search (single process, held-aside split)."""
+        run = self.run
+        return (self.cfg.measures and run is not None and run.tp is None and run.held_tokens is not None
+                and self.cfg.method == "gates")
+
+    def _plan_references(self, base, vectors, imx) -> None:
+        """The free references of the guarantee, with their off-menu candidates built now, while
+        the float weights are still there (the student replaces them)."""
+        from ..student import selectable_weights
+        from .guarantee import plan_references
+        from .setup import extra_candidate_blobs
+
+        run, cfg = self.run, self.cfg
+        if not cfg.guarantee:
+            return
+        knap = None
+        if run.sensitivity is not None:
+            from .knapsack import greedy_layout
+
+            knap = greedy_layout(run.plans, run.sensitivity, run.budget.upper_bytes)
+        stock = _stock_provider(run, base, imx)
+        menu_types = sorted({t for p in run.plans for t in p.menu.types})
+        refs = plan_references(run.plans, run.budget.upper_bytes, covered=set(vectors), knapsack=knap, stock=stock,
+                               stock_ftypes=cfg.stock_references, menu_types=menu_types)
+        weights = {n: w for n, (w, _) in selectable_weights(base).items()}
+        run.extra_blobs = extra_candidate_blobs(run.plans, weights, vectors, refs.extra, progress=self.progress)
+        run.references = refs
+
+    def _complete_curvature(self, base, vectors, sens) -> None:
+        """Curvature matrices over every rung the search may serve: the menu and the references'
+        off-menu types (the Fisher diagonal is recomputed only if a stored table lacked them)."""
+        from ..student import selectable_weights
+        from .fisher import curvature, fisher_diagonal
+        from .setup import candidate_blobs
+
+        run, cfg = self.run, self.cfg
+        if run.curvature is None:
+            return
+        need = [p for p in run.plans if set(p.menu.types) | {t for (n, t) in run.extra_blobs if n == p.name}
+                != set(run.curvature[p.name]["types"])]
+        if not need:
+            return
+        weights = {n: w for n, (w, _) in selectable_weights(base).items()}
+        fish = sens.fisher or fisher_diagonal(base, run.plans, run.tokens[: cfg.sensitivity_sequences], seed=cfg.seed)
+        menu = candidate_blobs(need, weights, vectors)
+        for p in need:
+            blobs = dict(zip(p.menu.types, menu[p.name]))
+            blobs.update({t: b for (n, t), b in run.extra_blobs.items() if n == p.name})
+            types, m = curvature(p, weights[p.name], fish[p.name], blobs)
+            run.curvature[p.name] = {"types": types, "m": m.tolist()}
 
     # -- training loop -----------------------------------------------------------------------
     def train(self) -> TrainResult:
@@ -257,6 +321,7 @@ class Trainer:
         run = self.run
         assert run is not None
         cfg = run.cfg
+        trained = probs is None  # the live gates of this process (not a journal's or a knapsack's)
         if probs is None:
             # Bake at the last step's τ, also when a resumed run had no step left to set it.
             tau = tau_at(cfg.max_steps - 1, cfg.max_steps, cfg.tau_start, cfg.tau_end)
@@ -265,7 +330,9 @@ class Trainer:
                     mq.tau = tau
                 probs = {n: mq.probs().detach().cpu() for n, mq in run.mixed.items()}
             gates = {n: mq.gates.detach().cpu().clone() for n, mq in run.mixed.items()}
-        res = bake(run.plans, probs, run.budget, cfg.upgrades)
+        # Repair and fill rank by the gate logits (temperature-free), not by probabilities at τ_end.
+        res = bake(run.plans, gates, run.budget, cfg.upgrades)
+        choices = [("gates", dict(res.choice))]
         polished = None
         if cfg.polish:
             from .knapsack import polish
@@ -273,17 +340,28 @@ class Trainer:
             polished = polish(run.plans, run.sensitivity, res.choice, lower=run.budget.target_bytes * (1 - run.budget.tolerance),
                               upper=run.budget.upper_bytes, upgrades=cfg.upgrades)
             res.choice, res.total_bytes = polished.choice, polished.total_bytes
+            choices.append(("gates+polish", dict(polished.choice)))
         if run.tp is not None:
             from ..parallel import check_same_choice
 
             check_same_choice(res.choice, run.tp)
+        by = {p.name: p for p in run.plans}
+        types = {n: by[n].menu.types[k] for n, k in res.choice.items()}
+        sizes = {n: by[n].sizes[k] for n, k in res.choice.items()}
+        outcome = None
+        if self.measures and trained:
+            from .finalize import improve
+
+            outcome = improve(run, choices, on_eval=self.on_search)
+            types, sizes = outcome.types, outcome.sizes
         faults.hit("bake")
         tensors = {}
         for p in run.plans:
-            k = res.choice[p.name]
+            t = types[p.name]
+            conf = round(float(probs[p.name][p.menu.types.index(t)]), 6) if t in p.menu.types else None
             tensors[p.name] = TensorChoice(
-                name=p.name, qtype=p.menu.types[k], shape=p.shape, nbytes=p.sizes[k], gguf_name=p.gguf_name,
-                confidence=round(float(probs[p.name][k]), 6), menu=p.menu.types,
+                name=p.name, qtype=t, shape=p.shape, nbytes=sizes[p.name], gguf_name=p.gguf_name,
+                confidence=conf, menu=p.menu.types,
             )
         final = history[-1].to_dict() if history else {}
         asg = Assignment(
@@ -298,6 +376,9 @@ class Trainer:
                 "polish_gain": polished.gain if polished else 0.0,
             },
         )
+        asg.meta["pinned"] = len(res.pinned)
+        if outcome is not None:
+            asg.meta["guarantee"] = outcome.report()
         out = cfg.out_dir
         if not self.is_main:  # rank 0 writes; the others return the same (checked) result
             return TrainResult(asg, res, out / cfg.output_name, out / "assignment.json", out / "tensor-types.txt",
@@ -315,6 +396,22 @@ class Trainer:
             },
         )
         return TrainResult(asg, res, pt_path, asg_path, tt_path, history, resumed_from)
+
+
+def _stock_provider(run, base, imx):
+    """ftype -> {tensor: type} of stock llama-quantize for this model (recipes.py), or None."""
+    try:
+        from .. import recipes
+    except ImportError:  # pragma: no cover - the recipe rules ship with the package
+        return None
+    config = getattr(base, "config", None)
+
+    def stock(ftype: str):
+        try:
+            return recipes.stock_types(run.plans, config, ftype, has_imatrix=imx is not None)
+        except recipes.UnknownFtypeError:
+            return None
+    return stock
 
 
 def _devices(cfg: TrainConfig, tp) -> list[torch.device]:

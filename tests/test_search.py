@@ -1,0 +1,197 @@
+"""The measured-KL final search, the never-worse guarantee and the bake's costs (issue 15)."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from voodoo_quant.budget import Budget
+from voodoo_quant.errors import ConfigError
+from voodoo_quant.menus import is_pinned, parse_upgrades
+from voodoo_quant.training import search as S
+from voodoo_quant.training.bake import bake
+from voodoo_quant.training.config import TrainConfig
+from voodoo_quant.training.objective import HeldAside
+from voodoo_quant.training.rungs import menu_rungs, release, serve, total_bytes
+from voodoo_quant.training.trainer import Trainer
+
+MENU = ("Q8_0", "Q6_K", "Q4_K", "Q2_K")
+
+
+def _cfg(d, out, **kw):
+    base = dict(model=str(d / "model"), data_dir=str(d / "data"), seq_len=32, batch_size=2, max_steps=2,
+                compression_ratio=0.6, candidate_types=MENU, output_dir=str(out), partial_save_interval=1)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+@pytest.fixture(scope="module")
+def built(gate_model_dir, tmp_path_factory):
+    tr = Trainer(_cfg(gate_model_dir, tmp_path_factory.mktemp("search")))
+    tr.prepare()
+    run = tr.run
+    held = HeldAside(run.student, run.teacher, run.held_tokens, device=run.device)
+    return tr, held
+
+
+def _measure(rungs, held, choice):
+    serve(rungs, choice)
+    return held.measure().kl
+
+
+def test_held_aside_split_is_not_trained_on(built):
+    tr, _ = built
+    run = tr.run
+    full = torch.load(tr.cfg.data_path)[:, : tr.cfg.seq_len]
+    n = run.held_tokens.shape[0]
+    assert n == min(tr.cfg.search_sequences, full.shape[0] // 4) and n > 0
+    assert torch.equal(run.held_tokens, full[-n:]) and torch.equal(run.tokens, full[:-n])
+
+
+def test_served_assignment_is_exactly_its_candidates(built):
+    """Serving serves each rung's very candidate (what export writes), not a mixture."""
+    tr, _ = built
+    run = tr.run
+    rungs = menu_rungs(run.plans, run.mixed)
+    choice = {n: len(r.types) - 1 for n, r in rungs.items()}
+    serve(rungs, choice)
+    try:
+        mods = dict(run.student.named_modules())
+        for p in run.plans:
+            w = mods[p.modules[0]].weight
+            assert torch.equal(w, run.mixed[p.name].candidate(choice[p.name]))
+    finally:
+        release(rungs)
+
+
+def test_search_finds_a_planted_better_assignment(built, tmp_path):
+    """Start from a good assignment with its most sensitive tensor moved one rung down; the bytes
+    for undoing that are the only slack. The search must measure its way back (or better)."""
+    tr, held = built
+    run = tr.run
+    rungs = menu_rungs(run.plans, run.mixed)
+    good = {n: 2 for n in rungs}  # Q6_K everywhere (rungs: Q2_K Q4_K Q6_K Q8_0)
+    kl_good = _measure(rungs, held, good)
+    worst, worst_kl = None, -1.0
+    for n in rungs:  # the tensor whose one-rung demotion hurts most (measured)
+        kl = _measure(rungs, held, {**good, n: 1})
+        if kl > worst_kl:
+            worst, worst_kl = n, kl
+    start = {**good, worst: 1}
+    assert worst_kl > kl_good
+    hi = total_bytes(rungs, good)
+    try:
+        res = S.local_search(rungs, start, held, lo=0, hi=hi, max_evals=40, journal_path=tmp_path / "s.json", key="k",
+                             curvature=run.curvature)
+    finally:
+        release(rungs)
+    assert res.start.kl == pytest.approx(worst_kl)
+    assert res.final.kl <= kl_good * (1 + 1e-9), (res.final.kl, kl_good, res.accepted)
+    assert res.accepted and res.total_bytes <= hi
+    assert res.total_bytes == sum(rungs[n].sizes[k] for n, k in res.current.items())
+    # every accepted move lowered the measured KL, in order
+    kls = [m["kl_before"] for m in res.accepted] + [res.accepted[-1]["kl_after"]]
+    assert all(a > b for a, b in zip(kls, kls[1:]))
+
+
+def test_search_resumes_from_its_journal_and_keeps_pins(built, tmp_path):
+    tr, held = built
+    run = tr.run
+    rungs = menu_rungs(run.plans, run.mixed)
+    start = {n: 1 for n in rungs}
+    pinned = {n for n in rungs if n.endswith("down_proj.weight")}
+    hi = total_bytes(rungs, start) * 1.3
+    j = tmp_path / "search.json"
+    try:
+        first = S.local_search(rungs, start, held, lo=0, hi=hi, max_evals=3, pinned=pinned, journal_path=j, key="a")
+        assert first.evals == 3 and j.is_file()
+        again = S.local_search(rungs, start, held, lo=0, hi=hi, max_evals=8, pinned=pinned, journal_path=j, key="a")
+        other = S.local_search(rungs, start, held, lo=0, hi=hi, max_evals=2, pinned=pinned, journal_path=j, key="b")
+    finally:
+        release(rungs)
+    assert again.resumed and 3 < again.evals <= 8
+    assert again.accepted[: len(first.accepted)] == first.accepted
+    assert again.final.kl <= first.final.kl
+    assert not other.resumed and other.evals <= 2  # another key: the journal is not reused
+    for res in (first, again):
+        assert all(res.current[n] == start[n] for n in pinned)
+        assert all(ch[0] not in pinned for mv in res.accepted for ch in mv["changes"])
+
+
+def test_training_writes_the_best_of_gates_and_references(gate_model_dir, tmp_path):
+    tr = Trainer(_cfg(gate_model_dir, tmp_path / "run", search_evals=6))
+    res = tr.train()
+    g = res.assignment.meta["guarantee"]
+    names = [c["name"] for c in g["candidates"]]
+    assert names[0] == "gates" and "knapsack" in names and any(n.startswith("uniform ") for n in names)
+    best = min(c["kl"] for c in g["candidates"])
+    assert g["final_kl"] <= best  # never worse than any measured reference on the held-aside split
+    assert g["search"]["evals"] <= 6
+    b = tr.run.budget
+    total = res.assignment.total_bytes
+    assert total <= b.upper_bytes
+    assert total == sum(t.nbytes for t in res.assignment.tensors.values())
+    # the written assignment is the one measured: serve it and measure again
+    held = HeldAside(tr.run.student, tr.run.teacher, tr.run.held_tokens, device=tr.run.device)
+    rungs = menu_rungs(tr.run.plans, tr.run.mixed)
+    for n, t in res.assignment.tensors.items():
+        rungs[n].add(t.qtype, t.nbytes)
+    try:
+        kl = _measure(rungs, held, {n: rungs[n].index(t.qtype) for n, t in res.assignment.tensors.items()})
+    finally:
+        release(rungs)
+    assert kl == pytest.approx(g["final_kl"], rel=1e-6)
+
+
+# -- bake costs and pins ------------------------------------------------------------------------
+
+def _plans(spec):
+    """spec: name -> sizes (cheapest first)."""
+    return [SimpleNamespace(name=n, sizes=tuple(s), menu=SimpleNamespace(types=tuple(f"q{i}" for i in range(len(s)))))
+            for n, s in spec.items()]
+
+
+def _budget(target, tol=0.02):
+    return Budget(q8_bytes=target * 2, min_bytes=0, max_bytes=target * 4, n_weights=1, target_bytes=target,
+                  train_target_bytes=target, tolerance=tol)
+
+
+def test_repair_ranks_by_logit_gaps_not_bytes():
+    """Saturated probabilities would make every cost ≈ 1/bytes (the big tensor first); the logits
+    still say the big tensor cares far more than the small one."""
+    plans = _plans({"big": (1000, 2000), "small": (100, 600)})
+    logits = {"big": torch.tensor([0.0, 5.0]), "small": torch.tensor([0.0, 0.1])}
+    res = bake(plans, logits, _budget(2150, tol=0.0))
+    assert res.argmax == {"big": 1, "small": 1}
+    assert res.choice == {"big": 1, "small": 0} and res.repaired == 1
+
+
+def test_fill_ranks_by_logit_gaps_not_bytes():
+    plans = _plans({"big": (1000, 2000), "small": (100, 600)})
+    logits = {"big": torch.tensor([5.0, 0.0]), "small": torch.tensor([0.2, 0.0])}
+    res = bake(plans, logits, _budget(2000, tol=0.1))
+    assert res.argmax == {"big": 0, "small": 0}
+    assert res.choice == {"big": 0, "small": 1} and res.filled == 1
+
+
+def test_upgrades_stay_pinned_through_repair_and_fill():
+    plans = _plans({"model.layers.0.mlp.up_proj.weight": (100, 200, 400),
+                    "model.layers.0.self_attn.q_proj.weight": (100, 200, 400),
+                    "model.layers.1.self_attn.q_proj.weight": (100, 200, 400)})
+    ups = parse_upgrades('[{"pattern": "mlp\\\\.(gate|up|down)_proj$", "levels": 1}]')
+    mlp = "model.layers.0.mlp.up_proj.weight"
+    assert is_pinned(mlp, ups) and not is_pinned("model.layers.0.self_attn.q_proj.weight", ups)
+    # every argmax on the middle rung; the upgrade lifts mlp to 400; over budget -> repair
+    logits = {p.name: torch.tensor([0.0, 1.0, 0.5]) for p in plans}
+    res = bake(plans, logits, _budget(700, tol=0.0), ups)
+    assert res.choice[mlp] == 2 and res.upgraded == 1 and res.pinned == (mlp,)
+    assert res.total_bytes <= 700
+    # under budget -> fill never touches the pinned tensor either (it would be the cheapest up-move)
+    down = parse_upgrades('[{"pattern": "mlp\\\\.(gate|up|down)_proj$", "levels": -1}]')
+    logits = {p.name: torch.tensor([0.0, 1.0, 0.9]) for p in plans}
+    logits[mlp] = torch.tensor([0.0, 1.0, 0.99])
+    res = bake(plans, logits, _budget(1000, tol=0.05), down)
+    assert res.choice[mlp] == 0 and res.filled >= 1
+    with pytest.raises(ConfigError, match="pinned"):
+        bake(plans, {p.name: torch.tensor([0.0, 0.0, 1.0]) for p in plans}, _budget(300, tol=0.0),
+             parse_upgrades('[{"pattern": "q_proj$", "levels": 0}]'))

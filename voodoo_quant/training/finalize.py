@@ -1,0 +1,100 @@
+"""After the bake: measure the gates' assignment against the free references, keep the best, and
+improve it by the measured-KL search (``guarantee.py``, ``search.py``). The trainer calls
+``improve`` once, with the student built and the held-aside split set apart in its setup."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence
+
+import torch
+
+from .. import ggml
+from ..menus import is_pinned
+from .guarantee import Candidate, pin
+from .objective import HeldAside
+from .rungs import Rungs, menu_rungs, release, serve, types_of
+from .search import JOURNAL_NAME, SearchEvent, local_search, search_key
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Outcome:
+    types: dict[str, str]  # tensor -> the type written
+    sizes: dict[str, int]  # tensor -> its bytes
+    winner: str  # the candidate the search started from
+    candidates: list[Candidate] = field(default_factory=list)
+    search: dict | None = None
+
+    def report(self) -> dict:
+        final = self.search["final_kl"] if self.search else next(c.kl for c in self.candidates if c.name == self.winner)
+        return {"winner": self.winner, "final_kl": final, "candidates": [c.to_dict() for c in self.candidates],
+                "search": self.search}
+
+
+def _extra_weights(plan, blobs: Mapping[str, bytes], device: torch.device) -> Callable[[str], torch.Tensor]:
+    def make(qtype: str) -> torch.Tensor:
+        m = ggml.lib().dequantize(blobs[qtype], qtype, (plan.rows, plan.n_per_row), name=plan.name)
+        return plan.layout.from_gguf(torch.from_numpy(m)).to(device)
+    return make
+
+
+def improve(run, gate_choices: Sequence[tuple[str, Mapping[str, int]]], *,
+            on_eval: Callable[[SearchEvent], None] | None = None) -> Outcome:
+    """Measure `gate_choices` ((name, tensor -> menu index), the bake first) and the run's
+    references on the held-aside split, then search from the best. Leaves the student as it was."""
+    cfg, plans = run.cfg, run.plans
+    hi = float(run.budget.upper_bytes)
+    lo = run.budget.target_bytes * (1.0 - run.budget.tolerance)
+    by = {p.name: p for p in plans}
+    rungs: dict[str, Rungs] = menu_rungs(plans, run.mixed)
+    for n, r in rungs.items():
+        extra = {t: b for (name, t), b in run.extra_blobs.items() if name == n}
+        if extra:
+            r.extra = _extra_weights(by[n], extra, run.device)
+    baked = {n: by[n].menu.types[k] for n, k in gate_choices[0][1].items()}
+    cands = [Candidate(name, {n: by[n].menu.types[k] for n, k in ch.items()}, sum(by[n].sizes[k] for n, k in ch.items()))
+             for name, ch in gate_choices]
+    for ref in run.references.candidates if run.references else ():
+        c = pin(ref, baked, plans, cfg.upgrades)
+        if c.total_bytes <= hi:
+            cands.append(c)
+    for c in cands:
+        for n, t in c.types.items():
+            rungs[n].add(t, by[n].sizes[by[n].menu.types.index(t)] if t in by[n].menu.types else _nbytes(by[n], t))
+    held = HeldAside(run.student, run.teacher, run.held_tokens, device=run.device, teacher_device=run.teacher_device,
+                     chunk_tokens=cfg.loss_chunk_size)
+    try:
+        measured = {}
+        for c in cands:
+            idx = {n: rungs[n].index(t) for n, t in c.types.items()}
+            serve(rungs, idx)
+            m = held.measure()
+            c.kl, c.kl_stderr = m.kl, m.stderr
+            measured[c.name] = (idx, m)
+            log.info("guarantee: %s %.0f bytes, held-aside KL %.6f ± %.6f", c.name, c.total_bytes, m.kl, m.stderr)
+        best = min(cands, key=lambda c: (c.kl, c.total_bytes, c.name))
+        start, start_m = measured[best.name]
+        search = None
+        current = start
+        if cfg.search_evals > 0:
+            pinned = {n for n in rungs if is_pinned(n, cfg.upgrades)}
+            settings = {"result_hash": cfg.result_hash(), "reprobe": 4, "hi": hi, "lo": lo}
+            key = search_key(types_of(rungs, start), held, settings)
+            res = local_search(rungs, start, held, lo=lo, hi=hi, max_evals=cfg.search_evals, pinned=pinned,
+                               journal_path=cfg.out_dir / JOURNAL_NAME, key=key,
+                               start_measurement=start_m, on_eval=on_eval, curvature=run.curvature)
+            current, search = res.current, res.summary()
+        types = types_of(rungs, current)
+        sizes = {n: rungs[n].sizes[current[n]] for n in rungs}
+    finally:
+        release(rungs)
+    return Outcome(types, sizes, best.name, cands, search)
+
+
+def _nbytes(plan, qtype: str) -> int:
+    from .. import qtypes as qt
+
+    return qt.get(qtype).row_bytes(plan.n_per_row) * plan.rows

@@ -1,0 +1,134 @@
+"""Never worse than the free alternatives: measure them, start from the best, then search.
+
+Before anything is written, every assignment a user could have had for free at the same budget
+is measured on the held-aside calibration split (``objective.HeldAside``) beside the gates' own:
+
+- ``uniform <T>``: every tensor the same type T (through llama.cpp's fallback for its rows), the
+  largest uniform files that fit;
+- ``stock <FTYPE>``: the types stock ``llama-quantize`` writes per tensor for an ftype
+  (``voodoo_quant/recipes.py``, its rules reproduced and tested against the tool), the largest
+  recipes that fit;
+- ``knapsack``: the one-shot sensitivity knapsack (``knapsack.greedy_layout``) at the budget;
+- ``gates`` (and ``gates+polish``): the bake of the trained gates.
+
+"Fits" means at most the budget's upper bound, ``target × (1 + tolerance)``. The best measured
+one is where the final search (``search.local_search``) starts, so the written assignment is at
+least as good as every reference on that split, and the report says which won and by how much.
+Tensors pinned by ``--tensor_upgrades`` keep the bake's type in every candidate.
+
+The references' off-menu types (a recipe's Q6_K where the menu has none) need their candidates
+quantized from the float weights, which the student no longer holds once the gates replace them:
+``plan_references`` runs in the trainer's setup, before the student is built, and its off-menu
+bytes go through the candidate cache like every other candidate.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence
+
+from .. import qtypes as qt
+from ..menus import is_pinned
+
+log = logging.getLogger(__name__)
+
+# Uniform candidates: every type a GGUF is commonly made of (the union of the menus is added).
+UNIFORM_TYPES = ("Q8_0", "Q6_K", "Q5_K", "Q5_1", "Q5_0", "Q4_K", "Q4_1", "Q4_0", "IQ4_NL", "IQ4_XS", "Q3_K", "IQ3_S",
+                 "IQ3_XXS", "Q2_K", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S")
+MEASURE_UNIFORM = 2  # the largest uniform files that fit are measured ...
+MEASURE_STOCK = 3  # ... and the largest stock recipes
+
+
+@dataclass
+class Candidate:
+    name: str
+    types: dict[str, str]  # tensor -> ggml type
+    total_bytes: int
+    kl: float | None = None
+    kl_stderr: float | None = None
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "bytes": self.total_bytes, "kl": self.kl, "kl_stderr": self.kl_stderr}
+
+
+@dataclass
+class References:
+    candidates: list[Candidate] = field(default_factory=list)
+    extra: dict[str, set[str]] = field(default_factory=dict)  # tensor -> off-menu types the candidates use
+
+
+def _bytes(plan, qtype: str) -> int:
+    return qt.get(qtype).row_bytes(plan.n_per_row) * plan.rows
+
+
+def uniform_types(plan, qtype: str, has_imatrix: bool) -> str | None:
+    """The type tensor `plan` gets in a uniform `qtype` file (llama.cpp's fallback), or None
+    when it would need an imatrix that does not cover the tensor."""
+    q = qt.resolve_for_row(qtype, plan.n_per_row)
+    if q.needs_imatrix and not has_imatrix:
+        return None
+    return q.name
+
+
+def plan_references(plans: Sequence, hi: float, *, covered: set[str], knapsack: Mapping[str, int] | None = None,
+                    stock: Callable[[str], Mapping[str, str] | None] | None = None,
+                    stock_ftypes: Sequence[str] = (), menu_types: Sequence[str] = ()) -> References:
+    """The free references that fit under `hi` bytes: the largest uniform files and stock recipes
+    (at most MEASURE_UNIFORM / MEASURE_STOCK of each) and the knapsack layout (menu indices)."""
+    refs = References()
+    uniform = []
+    for t in dict.fromkeys([*UNIFORM_TYPES, *menu_types]):
+        types = {}
+        for p in plans:
+            u = uniform_types(p, t, p.gguf_name in covered)
+            if u is None:
+                break
+            types[p.name] = u
+        else:
+            total = sum(_bytes(p, types[p.name]) for p in plans)
+            if total <= hi:
+                uniform.append(Candidate(f"uniform {qt.get(t).name}", types, total))
+    uniform = _largest_distinct(uniform, MEASURE_UNIFORM)
+    stocks = []
+    for f in stock_ftypes if stock is not None else ():
+        types = stock(f)
+        if not types or set(types) != {p.name for p in plans}:
+            continue
+        total = sum(_bytes(p, types[p.name]) for p in plans)
+        if total <= hi:
+            stocks.append(Candidate(f"stock {f}", dict(types), total))
+    stocks = _largest_distinct(stocks, MEASURE_STOCK)
+    refs.candidates = uniform + stocks
+    if knapsack is not None:
+        types = {p.name: p.menu.types[knapsack[p.name]] for p in plans}
+        refs.candidates.append(Candidate("knapsack", types, sum(p.sizes[knapsack[p.name]] for p in plans)))
+    by = {p.name: p for p in plans}
+    for c in refs.candidates:
+        for n, t in c.types.items():
+            if t not in by[n].menu.types:
+                refs.extra.setdefault(n, set()).add(t)
+    return refs
+
+
+def _largest_distinct(cands: list[Candidate], k: int) -> list[Candidate]:
+    """The `k` largest candidates, one per distinct assignment (fallbacks make some identical)."""
+    out, seen = [], set()
+    for c in sorted(cands, key=lambda c: (-c.total_bytes, c.name)):
+        sig = tuple(sorted(c.types.items()))
+        if sig in seen:
+            continue
+        seen.add(sig)
+        out.append(c)
+        if len(out) == k:
+            break
+    return out
+
+
+def pin(c: Candidate, baked: Mapping[str, str], plans: Sequence, upgrades) -> Candidate:
+    """`c` with every pinned tensor on the bake's type (the user's --tensor_upgrades hold)."""
+    if not upgrades:
+        return c
+    by = {p.name: p for p in plans}
+    types = {n: (baked[n] if is_pinned(n, upgrades) else t) for n, t in c.types.items()}
+    return Candidate(c.name, types, sum(_bytes(by[n], t) for n, t in types.items()))
