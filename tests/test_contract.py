@@ -4,7 +4,7 @@
    was dequantized from, and equal stock ``llama-quantize --tensor-type-file`` with the same
    imatrix, tensor for tensor (every tensor of the file, not only the selected ones);
 2. export refuses, in one line naming both values, what the assignment was not trained with:
-   another imatrix, a vanished imatrix, other base weights, another libggml, a type off its menu,
+   another imatrix, a vanished imatrix, other base weights, another libggml, a hand-edited type,
    an assignment that records no provenance; ``--allow_mismatch`` exports anyway.
 """
 
@@ -161,7 +161,7 @@ def test_export_refuses_when_the_recorded_imatrix_is_gone(trained, tmp_path):
                     "imatrix missing", str(tmp_path / "moved-away.gguf"), asg["imatrix_sha256"])
 
 
-def test_export_refuses_another_libggml_and_a_type_off_its_menu(trained, tmp_path):
+def test_export_refuses_another_libggml_and_a_hand_edited_type(trained, tmp_path):
     root, d, _, _ = trained
     asg = json.loads((root / "run" / "assignment.json").read_text())
     asg["ggml_version"] = "ggml 0.0.1 (commit deadbeef)"
@@ -169,12 +169,15 @@ def test_export_refuses_another_libggml_and_a_type_off_its_menu(trained, tmp_pat
     _one_line_error(_export_cli("--model", d, "--assignment", tmp_path / "g.json", "--output_dir", tmp_path / "o",
                                 "--output_name", "x.gguf"),
                     "libggml mismatch", "ggml 0.0.1 (commit deadbeef)", provenance.ggml_version())
+
+    # A hand-edited type: its recorded bytes no longer match what the type gives the tensor.
     asg = json.loads((root / "run" / "assignment.json").read_text())
-    name = sorted(asg["tensors"])[0]
-    asg["tensors"][name]["qtype"] = "IQ4_NL"
+    name, c = sorted(asg["tensors"].items())[0]
+    new = next(t for t in ("Q5_0", "Q8_0") if qt.tensor_bytes(t, c["shape"]) != c["nbytes"])
+    asg["tensors"][name]["qtype"] = new
     (tmp_path / "m.json").write_text(json.dumps(asg))
     _one_line_error(_export_cli("--model", d, "--assignment", tmp_path / "m.json", "--output_dir", tmp_path / "o",
-                                "--output_name", "x.gguf"), name, "IQ4_NL", "not on its training menu")
+                                "--output_name", "x.gguf"), name, f"{c['nbytes']:,} bytes for {new}")
 
 
 def test_export_refuses_an_assignment_without_provenance(trained, tmp_path):

@@ -259,6 +259,7 @@ def export(cfg: ExportConfig) -> ExportResult:
         plan = []  # (reader tensor, qtype or None)
         counts: dict[str, int] = {}
         fixed: dict[str, str] = {}
+        recorded = {gguf_names[c.name]: c for c in asg.tensors.values()}
         n_sel = n_all = sel_bytes = all_bytes = fixed_bytes = 0
         for t in reader.tensors:
             ne = [int(s) for s in t.shape.tolist()]  # ggml order: ne[0] = row length
@@ -280,6 +281,11 @@ def export(cfg: ExportConfig) -> ExportResult:
                         f"llama-quantize would write {qt.resolve_for_row(q, shape[-1]).name}"
                     )
                 nbytes = qt.tensor_bytes(q, shape)
+                rec = recorded[t.name]
+                if rec.nbytes != nbytes:  # a hand-edited type, or an assignment made for other shapes
+                    provenance.refuse_or_warn(
+                        f"{rec.name}: the assignment records {rec.nbytes:,} bytes for {rec.qtype}, but {q} of "
+                        f"{t.name} {list(shape)} is {nbytes:,} bytes", cfg.allow_mismatch)
                 n_sel += n
                 sel_bytes += nbytes
             else:
