@@ -55,7 +55,11 @@ STOCK = ("Q4_0", "IQ4_NL", "IQ4_XS", "Q4_K_S", "Q4_K_M", "Q5_0", "Q5_K_S", "Q5_K
 QUICK_STOCK = ("Q4_0", "IQ4_XS", "Q4_K_M")
 # SmolLM2's 576-wide rows take 32-block types only; ffn_down (1536 wide) keeps the K/IQ rungs.
 MENU = ("Q8_0", "Q6_K", "Q5_K", "Q5_0", "Q4_K", "IQ4_XS", "IQ4_NL", "Q3_K", "IQ3_S", "IQ2_S")
-METHODS = ("voodoo", "sensitivity")
+# voodoo: the defaults (gates + guarantee + search); sensitivity: the one-shot knapsack on the Fisher
+# table (the default kind); sensitivity_output: the knapsack on the output-error table.
+METHODS = ("voodoo", "sensitivity", "sensitivity_output")
+# Uniform files (`llama-quantize --pure`): every tensor one type (fallback for 576-wide rows).
+PURE = ("Q4_0", "IQ4_NL", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 
 
 @dataclass
@@ -72,13 +76,20 @@ class QualityConfig:
     menu: tuple[str, ...] = MENU
     degrid_seed: int = 0
     threads: int | None = None
+    seeds: tuple[int, ...] = (0,)  # training seeds of the voodoo runs ...
+    seed_sizes: tuple[int, ...] = ()  # ... at these sizes (every other size: the first seed only)
+    pure: tuple[str, ...] = PURE
+    train_args: tuple[str, ...] = ()  # extra `voodoo train` flags of the voodoo runs (ablations)
 
     def __post_init__(self) -> None:
         self.out = Path(self.out)
-        for s in self.sizes:
-            qt.badge_for(s)  # refuses a non-standard size, listing the standard ones
         if not self.sizes:
-            raise SystemExit("--sizes: give at least one standard size")
+            raise SystemExit("--sizes: give at least one size")
+        bad = [s for s in self.sizes if not 10 <= s <= 100]
+        if bad:
+            raise SystemExit(f"--sizes: percent of the Q8_0 size, 10..100 (got {bad})")
+        if not self.seeds:
+            raise SystemExit("--seeds: give at least one seed")
         bad = [m for m in self.methods if m not in METHODS]
         if bad or not self.methods:
             raise SystemExit(f"--methods: choose from {', '.join(METHODS)} (got {', '.join(self.methods) or 'none'})")
@@ -97,7 +108,12 @@ class QualityConfig:
     def artifact_settings(self) -> dict[str, Any]:
         """What the files under --out depend on (eval settings are keyed per result instead)."""
         return {"seq_len": self.seq_len, "calib_chunks": self.calib_chunks, "ctx": self.ctx, "steps": self.steps,
-                "menu": list(self.menu), "degrid_seed": self.degrid_seed}
+                "menu": list(self.menu), "degrid_seed": self.degrid_seed, "train_args": list(self.train_args)}
+
+    def seeds_for(self, method: str, size: int) -> tuple[int, ...]:
+        if method != "voodoo":
+            return (0,)  # the knapsacks train nothing: no seed
+        return self.seeds if size in self.seed_sizes else self.seeds[:1]
 
 
 def _file_key(p: Path) -> list[int]:
@@ -211,55 +227,69 @@ class QualityBench:
     def stock_file(self, recipe: str) -> Path:
         return self.gguf / f"{MODEL_NAME}.stock-{recipe}.gguf"
 
+    def pure_file(self, q: str) -> Path:
+        return self.gguf / f"{MODEL_NAME}.pure-{q}.gguf"
+
     def make_stock(self) -> None:
         for q in self.cfg.stock:
             f = self.stock_file(q)
             if not f.is_file():
                 fileio.write_with(f, lambda tmp, q=q: self._run(
                     [self._tool("llama-quantize"), "--imatrix", self.imatrix, self.ref, tmp, q, self.threads], f"quantize-{q}"))
+        for q in self.cfg.pure:
+            f = self.pure_file(q)
+            if not f.is_file():
+                fileio.write_with(f, lambda tmp, q=q: self._run(
+                    [self._tool("llama-quantize"), "--pure", "--imatrix", self.imatrix, self.ref, tmp, q, self.threads],
+                    f"quantize-pure-{q}"))
 
-    def run_dir(self, method: str, size: int) -> Path:
-        return self.cfg.out / "runs" / f"{method}{size}"
+    def run_dir(self, method: str, size: int, seed: int = 0) -> Path:
+        return self.cfg.out / "runs" / f"{method}{size}" / f"seed{seed}"
 
-    def method_file(self, method: str, size: int) -> Path | None:
-        if method == "voodoo":
-            hits = sorted(self.gguf.glob(f"{MODEL_NAME}.Voodoo{size}_*.gguf"))
-            return hits[0] if hits else None
-        f = self.gguf / f"{MODEL_NAME}.Sensitivity{size}.gguf"
-        return f if f.is_file() else None
+    def method_file(self, method: str, size: int, seed: int = 0) -> Path:
+        tag = {"voodoo": f"Voodoo{size}.seed{seed}", "sensitivity": f"Sensitivity{size}",
+               "sensitivity_output": f"SensitivityOutput{size}"}[method]
+        return self.gguf / f"{MODEL_NAME}.{tag}.gguf"
 
-    def make_method(self, method: str, size: int) -> Path:
-        run = self.run_dir(method, size)
+    def make_method(self, method: str, size: int, seed: int = 0) -> Path:
+        run = self.run_dir(method, size, seed)
+        step = f"{method}{size}-seed{seed}"
         if not (run / "assignment.json").is_file():
             argv = [self.voodoo, "train", "--model", self.hf, "--data_dir", self.data, "--imatrix", self.imatrix,
                     "--compression_ratio", f"{size / 100:.2f}", "--seq_len", self.cfg.seq_len,
-                    "--max_steps", self.cfg.steps, "--candidate_types", ",".join(self.cfg.menu),
+                    "--max_steps", self.cfg.steps, "--candidate_types", ",".join(self.cfg.menu), "--seed", seed,
                     "--output_dir", run, "--output_name", f"{MODEL_NAME}-{method}{size}.pt"]
-            if method == "sensitivity":
+            if method == "voodoo":
+                argv += list(self.cfg.train_args)
+            else:
                 argv += ["--method", "sensitivity"]
-                self._share_sensitivity_table(run)
-            self._run(argv, f"train-{method}{size}")
-        f = self.method_file(method, size)
-        if f is None:
+                if method == "sensitivity_output":
+                    argv += ["--sensitivity_kind", "output"]
+            self._share_sensitivity_table(run, method)
+            self._run(argv, f"train-{step}")
+        f = self.method_file(method, size, seed)
+        if not f.is_file():
             argv = [self.voodoo, "export", "--model", self.hf, "--assignment", run / "assignment.json", "--imatrix",
-                    self.imatrix, "--output_dir", self.gguf, "--model_name", MODEL_NAME]
-            argv += ["--size_percent", size] if method == "voodoo" else ["--output_name", f"{MODEL_NAME}.Sensitivity{size}.gguf"]
-            self._run(argv, f"export-{method}{size}")
-            f = self.method_file(method, size)
-            if f is None:
-                raise SystemExit(f"[bench] export-{method}{size} wrote no GGUF into {self.gguf}")
+                    self.imatrix, "--output_dir", self.gguf, "--model_name", MODEL_NAME, "--output_name", f.name]
+            self._run(argv, f"export-{step}")
+            if not f.is_file():
+                raise SystemExit(f"[bench] export-{step} wrote no {f}")
         return f
 
-    def _share_sensitivity_table(self, run: Path) -> None:
-        """The table depends on the model, menus and calibration tokens, not on the size: reuse
-        one computed for another size (train checks its key and recomputes on a mismatch)."""
+    def _share_sensitivity_table(self, run: Path, method: str) -> None:
+        """The table depends on the model, menus, kind and calibration tokens, not on the size:
+        reuse one computed for another size of the same kind (train checks its key and
+        recomputes on a mismatch)."""
         from voodoo_quant.training.sensitivity import TABLE_NAME
 
         if (run / TABLE_NAME).is_file():
             return
-        for other in sorted((self.cfg.out / "runs").glob(f"*/{TABLE_NAME}")):
-            fileio.write_bytes(run / TABLE_NAME, other.read_bytes())
-            return
+        kind = "output" if method == "sensitivity_output" else "fisher"
+        same = [m for m in METHODS if ("output" if m == "sensitivity_output" else "fisher") == kind]
+        for m in same:
+            for other in sorted((self.cfg.out / "runs").glob(f"{m}*/seed*/{TABLE_NAME}")):
+                fileio.write_bytes(run / TABLE_NAME, other.read_bytes())
+                return
 
     # -- evaluation --------------------------------------------------------------------------
     def _ppl_args(self) -> list[Any]:
@@ -302,8 +332,9 @@ class QualityBench:
         text = self._run([self._tool("llama-perplexity"), "-m", f, "--kl-divergence-base", base, "--kl-divergence",
                           *self._ppl_args()], f"eval-{f.stem}")
         data_bytes, n_weights = gguf_tensor_stats(f)
+        chunks = report.chunk_klds(text)
         row = {"name": f.name, "file": str(f), "size_bytes": f.stat().st_size, "bpw": 8.0 * data_bytes / n_weights,
-               **parse_kld_report(text), "file_key": key}
+               **parse_kld_report(text), "kld_chunks": chunks, "kld_stderr": report.stderr(chunks), "file_key": key}
         fileio.write_json(cache, row)
         return row
 
@@ -317,15 +348,21 @@ class QualityBench:
         self.make_texts()
         self.make_imatrix()
         self.make_stock()
-        files: list[tuple[Path, str, int | None]] = [(self.stock_file(q), "stock", None) for q in cfg.stock]
+        files: list[tuple[Path, str, int | None, int | None]] = [(self.stock_file(q), "stock", None, None) for q in cfg.stock]
+        files += [(self.pure_file(q), "uniform", None, None) for q in cfg.pure]
         for method in cfg.methods:
             for size in cfg.sizes:
-                files.append((self.make_method(method, size), method, size))
+                for seed in cfg.seeds_for(method, size):
+                    files.append((self.make_method(method, size, seed), method, size, seed))
         base, base_info = self.eval_base()
         rows = []
-        for f, method, size in files:
+        for f, method, size, seed in files:
             row = self.eval_file(f, base, base_info)
-            rows.append({**row, "method": method, "size_percent": size})
+            extra = {}
+            if method in METHODS:
+                meta = json.loads((self.run_dir(method, size, seed or 0) / "assignment.json").read_text())["meta"]
+                extra = {"guarantee": meta.get("guarantee"), "train_s": self.timings.get(f"train-{method}{size}-seed{seed or 0}")}
+            rows.append({**row, "method": method, "size_percent": size, "seed": seed, **extra})
         result = {
             "command": self.command,
             "setup": {"model": MODEL_NAME, **asdict(cfg) | {"out": str(cfg.out)}, "menu": list(cfg.menu),
@@ -354,7 +391,7 @@ def _csv(v: str) -> list[str]:
 def parse(argv: list[str]) -> QualityConfig:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-quality", help="everything goes here")
-    ap.add_argument("--sizes", default=None, help="standard sizes, comma separated (default 55,60,65,70,75)")
+    ap.add_argument("--sizes", default=None, help="sizes in percent of Q8_0, comma separated (default 55,60,65,70,75)")
     ap.add_argument("--steps", type=int, default=None, help="training steps per size (default 30)")
     ap.add_argument("--seq_len", type=int, default=None, help="training tokens per sequence (default 256)")
     ap.add_argument("--eval_chunks", type=int, default=None, help="llama-perplexity chunks of -c tokens (default 20)")
@@ -364,6 +401,10 @@ def parse(argv: list[str]) -> QualityConfig:
     ap.add_argument("--methods", default=None, help="voodoo,sensitivity (default both)")
     ap.add_argument("--menu", default=None, help="voodoo --candidate_types (default: " + " ".join(MENU) + ")")
     ap.add_argument("--threads", type=int, default=None, help="threads of the stock tools (default VOODOO_QUANT_WORKERS)")
+    ap.add_argument("--seeds", default=None, help="training seeds of the voodoo runs (default 0)")
+    ap.add_argument("--seed_sizes", default=None, help="sizes at which every seed runs (default: none)")
+    ap.add_argument("--pure", default=None, help="uniform llama-quantize --pure files (default " + ",".join(PURE) + ")")
+    ap.add_argument("--train_args", default=None, help="extra voodoo train flags of the voodoo runs, one string")
     ap.add_argument("--quick", action="store_true",
                     help="smoke run: sizes 60,70, stock Q4_0 IQ4_XS Q4_K_M, 5 steps, 4 eval chunks, 8 calibration chunks")
     a = ap.parse_args(argv)
@@ -374,6 +415,10 @@ def parse(argv: list[str]) -> QualityConfig:
         "methods": None if a.methods is None else tuple(_csv(a.methods)),
         "menu": None if a.menu is None else tuple(_csv(a.menu)),
         "steps": a.steps, "seq_len": a.seq_len, "eval_chunks": a.eval_chunks, "calib_chunks": a.calib_chunks,
+        "seeds": None if a.seeds is None else tuple(int(s) for s in _csv(a.seeds)),
+        "seed_sizes": None if a.seed_sizes is None else tuple(int(s) for s in _csv(a.seed_sizes)),
+        "pure": None if a.pure is None else tuple(_csv(a.pure)),
+        "train_args": None if a.train_args is None else tuple(shlex.split(a.train_args)),
     }
     kw = {**quick, **{k: v for k, v in given.items() if v is not None}}
     return QualityConfig(out=a.out, ctx=a.ctx, threads=a.threads, **kw)

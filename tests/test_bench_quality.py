@@ -22,9 +22,9 @@ def rep():
     return mod
 
 
-def _row(name, method, size, kld, pct=None):
-    return {"name": name, "method": method, "size_bytes": size, "kld_mean": kld, "size_percent": pct,
-            "bpw": 4.0, "ppl": 30.0, "kld_p99": 1.0, "kld_p999": 2.0, "same_top_p": 80.0}
+def _row(name, method, size, kld, pct=None, seed=None):
+    return {"name": name, "method": method, "size_bytes": size, "kld_mean": kld, "size_percent": pct, "seed": seed,
+            "bpw": 4.0, "ppl": 30.0, "kld_p99": 1.0, "kld_p999": 2.0, "same_top_p": 80.0, "kld_stderr": 0.001}
 
 
 STOCK = [
@@ -49,22 +49,51 @@ def test_frontier_is_linear_in_log_kld(rep):
     assert rep.frontier_kld(front, 89e6) is None and rep.frontier_kld(front, 146e6) is None
 
 
-def test_targets_ratios(rep):
-    rows = STOCK + [_row("v60", "voodoo", 95e6, 0.04, 60), _row("sens60", "sensitivity", 95.5e6, 0.06, 60),
-                    _row("v55", "voodoo", 80e6, 0.15, 55)]
+def test_targets_ratios_use_seed_means_and_curves(rep):
+    rows = STOCK + [
+        _row("v60a", "voodoo", 95e6, 0.03, 60, 0), _row("v60b", "voodoo", 95e6, 0.05, 60, 1),  # mean 0.04
+        _row("sens55", "sensitivity", 90e6, 0.10, 55), _row("sens65", "sensitivity", 100e6, 0.04, 65),
+        _row("pureA", "uniform", 88e6, 0.30), _row("pureB", "uniform", 110e6, 0.03),
+        _row("v55", "voodoo", 80e6, 0.15, 55, 0),
+    ]
     t = rep.targets(rows, "s-Q8")
     assert t["floor_kld"] == 0.01 and t["frontier"] == ["s-A", "s-C", "s-Q8"]
     small, x = t["sizes"]
     assert small["size_percent"] == 55 and small["ratio_vs_stock"] is None and "below" in small["note"]
+    assert x["n_seeds"] == 2 and x["kld_mean"] == pytest.approx(0.04) and x["kld_min"] == 0.03
+    assert x["kld_stderr"] == pytest.approx(math.sqrt(2) * 0.001 / 2)
     stock_excess = math.sqrt(0.20 * 0.05) - 0.01
     assert x["ratio_vs_stock"] == pytest.approx(0.03 / stock_excess)
     assert x["meets_stock_target"] is True  # 0.03 / 0.09 ≈ 0.33
-    assert x["ratio_vs_sensitivity"] == pytest.approx(0.03 / 0.05)
-    assert x["meets_sensitivity_target"] is True
+    assert x["ratio_vs_sensitivity"] == pytest.approx(0.03 / (math.sqrt(0.10 * 0.04) - 0.01))
+    uni = math.exp(math.log(0.30) + (95 - 88) / (110 - 88) * (math.log(0.03) - math.log(0.30)))
+    assert x["ratio_vs_uniform"] == pytest.approx(0.03 / (uni - 0.01))
+    assert x["falls"] is True and t["monotone"] and not x["above_stock_frontier"]
     md = rep.markdown({"rows": rows, "targets": t, "command": "python bench/quality.py --quick",
                        "setup": {"model": "M", "degrid_seed": 0, "calib_chunks": 8, "ctx": 512, "eval_chunks": 4,
-                                 "steps": 5, "seq_len": 256, "menu": ["Q8_0"], "reference_ppl": 40.0}})
-    assert "python bench/quality.py --quick" in md and "| Voodoo60 | 95.00 |" in md
+                                 "steps": 5, "seq_len": 256, "menu": ["Q8_0"], "reference_ppl": 40.0,
+                                 "seeds": [0, 1], "seed_sizes": [60]}})
+    assert "python bench/quality.py --quick" in md and "| Voodoo60 | 95.00 | 0.040000 (0.03000–0.05000, n=2) |" in md
+
+
+def test_targets_flag_a_size_that_does_not_improve_and_a_point_above_the_frontier(rep):
+    rows = STOCK + [_row("v60", "voodoo", 95e6, 0.15, 60, 0), _row("v65", "voodoo", 99e6, 0.16, 65, 0)]
+    t = rep.targets(rows, "s-Q8")
+    a, b = t["sizes"]
+    assert a["above_stock_frontier"] and "ABOVE" in a["note"]
+    assert b["falls"] is False and "NOT below Voodoo60" in b["note"] and not t["monotone"]
+
+
+def test_chunk_klds_undo_the_running_means(rep):
+    text = "\n".join([
+        "chunk             PPL               ln(PPL(Q)/PPL(base))          KL Divergence              Δp RMS            Same top p",
+        "   1      27.1000 ±    1.2000       0.01000 ±    0.00100       0.02000 ±    0.00100     3.000 ±  0.100 %    91.000 ±  1.000 %",
+        "   2      27.3000 ±    1.1000       0.01200 ±    0.00100       0.03000 ±    0.00100     3.100 ±  0.100 %    90.000 ±  1.000 %",
+        "   3      27.2000 ±    1.0000       0.01100 ±    0.00100       0.02000 ±    0.00100     3.000 ±  0.100 %    91.000 ±  1.000 %",
+    ])
+    xs = rep.chunk_klds(text)
+    assert xs == pytest.approx([0.02, 0.04, 0.0])
+    assert rep.stderr(xs) == pytest.approx(0.02 / math.sqrt(3))
 
 
 def test_targets_need_the_floor(rep):
@@ -73,7 +102,7 @@ def test_targets_need_the_floor(rep):
 
 
 def test_plot_writes_png(rep, tmp_path):
-    rows = STOCK + [_row("v60", "voodoo", 95e6, 0.04, 60)]
+    rows = STOCK + [_row("v60", "voodoo", 95e6, 0.04, 60, 0), _row("v60b", "voodoo", 95e6, 0.05, 60, 1)]
     out = rep.plot({"rows": rows, "targets": rep.targets(rows, "s-Q8")}, tmp_path / "p.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -195,3 +195,29 @@ def test_upgrades_stay_pinned_through_repair_and_fill():
     with pytest.raises(ConfigError, match="pinned"):
         bake(plans, {p.name: torch.tensor([0.0, 0.0, 1.0]) for p in plans}, _budget(300, tol=0.0),
              parse_upgrades('[{"pattern": "q_proj$", "levels": 0}]'))
+
+
+def test_prefix_replay_measures_exactly_what_a_full_forward_does(built):
+    tr, held = built
+    run = tr.run
+    rungs = menu_rungs(run.plans, run.mixed)
+    base = {n: 1 for n in rungs}
+    late = next(n for n in rungs if ".layers.1." in n)
+    try:
+        serve(rungs, base)
+        held.measure()
+        held.commit()
+        moved = {**base, late: 3}
+        serve(rungs, moved)
+        replayed = held.measure(from_layer=1)
+        full = held.measure()
+        assert replayed.per_sequence == full.per_sequence  # bitwise: the same layers, the same inputs
+        # and the replay really skips work: a wrong claim (a change before layer 1) is not noticed
+        early = next(n for n in rungs if ".layers.0." in n)
+        serve(rungs, base)
+        held.measure()
+        held.commit()
+        serve(rungs, {**base, early: 3})
+        assert held.measure(from_layer=1).per_sequence != held.measure().per_sequence
+    finally:
+        release(rungs)

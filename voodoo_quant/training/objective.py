@@ -12,10 +12,18 @@ head applied in token chunks. ``probe`` runs one forward + backward with every t
 current candidate through a one-hot mixture: the gradient w.r.t. the mixture weights,
 ``∂KL/∂p_tj = ⟨∂KL/∂W_t, W_tj⟩``, predicts to first order what moving tensor t to any rung j
 would change (``g_tj − g_tk``), for every tensor and rung at once. The search ranks its moves by it.
+
+Two exact shortcuts keep a search's many measurements cheap: the teacher's log-probabilities are
+kept when they fit in ``TEACHER_CACHE_BYTES`` (else its head is re-applied to its cached hidden
+states), and every decoder layer's output under the *committed* assignment is kept (when it fits
+in ``PREFIX_CACHE_BYTES``): a move that changes only tensors of layer L and later replays layers
+0..L−1 from that cache (``measure(from_layer=L)``) and recomputes the rest; ``commit()`` adopts
+the last measurement's outputs when its move is kept.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -26,6 +34,42 @@ from torch.nn.utils import parametrize
 
 from .losses import chunk_reason, head_of, hidden_states
 from .rungs import Rungs, serve
+
+
+TEACHER_CACHE_BYTES = 1 << 30
+PREFIX_CACHE_BYTES = 2 << 30
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def layer_of(name: str) -> int | None:
+    """Decoder-layer index of an HF parameter name (``model.layers.7.mlp.up_proj.weight`` -> 7),
+    None for a tensor outside the layers (embedding, head)."""
+    m = _LAYER.search(name)
+    return None if m is None else int(m.group(1))
+
+
+class _Tap(nn.Module):
+    """A decoder layer that can replay a stored output instead of running, or record its output."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+        self.replay: object | None = None
+        self.record: list | None = None
+
+    def forward(self, *args, **kwargs):
+        if self.replay is not None:
+            return self.replay
+        out = self.inner(*args, **kwargs)
+        if self.record is not None:
+            self.record.append(out.detach() if isinstance(out, torch.Tensor) else out)
+        return out
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["inner"], name)
 
 
 @dataclass(frozen=True)
@@ -60,17 +104,31 @@ class HeldAside:
         tdev = teacher_device or device
         self._plain = chunk_reason(student) is None and chunk_reason(teacher) is None
         self._teacher: list[torch.Tensor] = []  # per batch: teacher hidden [b, seq-1, d] or log-probs
+        vocab = teacher.get_output_embeddings().weight.shape[0] if teacher.get_output_embeddings() is not None else 0
+        n_pred = tokens.shape[0] * (tokens.shape[1] - 1)
+        self._logp = not self._plain or n_pred * vocab * 4 <= TEACHER_CACHE_BYTES
         with torch.no_grad():
             if self._plain:
                 head = teacher.get_output_embeddings()
                 self._t_head = (head.weight.detach(), None if head.bias is None else head.bias.detach())
             for ids in self._batches():
                 ids_t = ids.to(tdev)
-                if self._plain:
+                if self._plain and not self._logp:
                     self._teacher.append(hidden_states(teacher, ids_t)[:, :-1].detach())
+                elif self._plain:
+                    h = hidden_states(teacher, ids_t)[:, :-1]
+                    w, b = self._t_head
+                    self._teacher.append(F.log_softmax(F.linear(h.to(w.device), w, b).float(), dim=-1))
                 else:
                     logits = teacher(input_ids=ids_t).logits[:, :-1].float()
                     self._teacher.append(F.log_softmax(logits, dim=-1))
+        self._layers = _decoder_layers(student)
+        hidden = getattr(getattr(student, "config", None), "hidden_size", None)
+        fits = (self._layers is not None and hidden is not None
+                and len(self._layers) * tokens.numel() * hidden * 4 <= PREFIX_CACHE_BYTES)
+        self._prefix_ok = fits
+        self._committed: list[list] | None = None  # [batch][layer] outputs of the committed assignment
+        self._pending: tuple[int, list[list]] | None = None
 
     def _batches(self):
         for lo in range(0, self.tokens.shape[0], self.batch):
@@ -78,7 +136,7 @@ class HeldAside:
 
     def _teacher_logp(self, i: int, lo: int, hi: int, seq: slice) -> torch.Tensor:
         t = self._teacher[i]
-        if not self._plain:
+        if self._logp:
             return t[seq].reshape(-1, t.shape[-1])[lo:hi]
         w, b = self._t_head
         h = t[seq].reshape(-1, t.shape[-1])[lo:hi]
@@ -108,13 +166,53 @@ class HeldAside:
             sums = list((t_log.exp() * (t_log - s_log)).sum(-1).sum(-1))
         return torch.stack(sums) / s1
 
-    def measure(self) -> Measurement:
-        """KL of the student as it is served now (call after serving an assignment)."""
+    def measure(self, from_layer: int = 0) -> Measurement:
+        """KL of the student as it is served now (call after serving an assignment). With
+        `from_layer` L > 0, layers 0..L−1 replay the committed assignment's outputs: exact when
+        the served assignment differs from the committed one only in layers >= L."""
         per = []
-        with torch.no_grad(), parametrize.cached():
-            for i, ids in enumerate(self._batches()):
-                per.extend(float(v) for v in self._kl_rows(ids.to(self.device), i).cpu())
+        prefix = self._prefix_ok and (from_layer == 0 or self._committed is not None)
+        start = from_layer if prefix and self._committed is not None else 0
+        taps = self._install() if prefix else None
+        outs: list[list] = []
+        try:
+            with torch.no_grad(), parametrize.cached():
+                for i, ids in enumerate(self._batches()):
+                    rec: list = []
+                    if taps is not None:
+                        for j, tap in enumerate(taps):
+                            tap.replay = self._committed[i][j] if j < start else None
+                            tap.record = rec if j >= start else None
+                    per.extend(float(v) for v in self._kl_rows(ids.to(self.device), i).cpu())
+                    outs.append(rec)
+        finally:
+            if taps is not None:
+                self._remove(taps)
+        self._pending = (start, outs) if taps is not None else None
         return Measurement(sum(per) / len(per), tuple(per))
+
+    def commit(self) -> None:
+        """Adopt the last measurement's layer outputs as the committed assignment's."""
+        if self._pending is None:
+            self._committed = None
+            return
+        start, outs = self._pending
+        if start == 0:
+            self._committed = outs
+        elif self._committed is not None:
+            for i, rec in enumerate(outs):
+                self._committed[i][start:] = rec
+        self._pending = None
+
+    def _install(self) -> list[_Tap]:
+        taps = [_Tap(layer) for layer in self._layers]
+        for j, t in enumerate(taps):
+            self._layers[j] = t
+        return taps
+
+    def _remove(self, taps: list[_Tap]) -> None:
+        for j, t in enumerate(taps):
+            self._layers[j] = t.inner
 
     def probe(self, rungs: Mapping[str, "Rungs"], current: Mapping[str, int]) -> dict[str, list[float]]:
         """∂KL/∂p for every rung of every tensor at the one-hot mixture of `current` (tensor ->
@@ -127,6 +225,7 @@ class HeldAside:
                 probes[n] = p.requires_grad_(True)
                 r.mq.override = (probes[n], r.get, len(r.types))
             n_seq = self.tokens.shape[0]
+            self._pending = None
             for i, ids in enumerate(self._batches()):
                 with parametrize.cached():
                     (self._kl_rows(ids.to(self.device), i).sum() / n_seq).backward()
@@ -134,3 +233,10 @@ class HeldAside:
             serve(rungs, current)
         return {n: [float(x) for x in (p.grad if p.grad is not None else torch.zeros_like(p)).cpu()]
                 for n, p in probes.items()}
+
+
+def _decoder_layers(model: nn.Module) -> nn.ModuleList | None:
+    """The base model's ModuleList of decoder layers (``model.model.layers``), if it has one."""
+    base = getattr(model, getattr(model, "base_model_prefix", "") or "", None)
+    layers = getattr(base, "layers", None)
+    return layers if isinstance(layers, nn.ModuleList) and len(layers) > 0 else None

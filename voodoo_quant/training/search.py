@@ -32,7 +32,7 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from .. import fileio
-from .objective import HeldAside, Measurement
+from .objective import HeldAside, Measurement, layer_of
 from .rungs import Rungs, serve, total_bytes, types_of
 
 log = logging.getLogger(__name__)
@@ -170,8 +170,10 @@ def local_search(
         serve(rungs, current)
         resumed = True
         log.info("search: resuming from %s after %d evaluation(s)", journal_path, evals)
-    if cur is None:
-        cur = held.measure()
+    m0 = held.measure()  # the start, in full: commits every layer's output for the prefix replay
+    held.commit()
+    if cur is None or resumed:
+        cur = m0
     first = first or cur
     total = total_bytes(rungs, current)
 
@@ -202,9 +204,10 @@ def local_search(
             for n, _, b in mv.changes:
                 current[n] = b
             serve({n: rungs[n] for n, _, _ in mv.changes}, current)
-            m = held.measure()
+            m = held.measure(from_layer=_first_layer(mv))
             evals += 1
             if m.kl < cur.kl:
+                held.commit()
                 accepted.append({
                     "changes": [[n, rungs[n].types[a], rungs[n].types[b]] for n, a, b in mv.changes],
                     "bytes": mv.dbytes, "kl_before": cur.kl, "kl_after": m.kl, "predicted": mv.predicted,
@@ -227,6 +230,12 @@ def local_search(
             break  # every move predicted to help was measured and none did
     save()
     return SearchResult(current, first, cur, evals, probes, total, accepted, resumed)
+
+
+def _first_layer(mv: Move) -> int:
+    """The first decoder layer a move changes (0 when it changes a tensor outside the layers)."""
+    layers = [layer_of(n) for n, _, _ in mv.changes]
+    return 0 if any(x is None for x in layers) else min(layers)
 
 
 def _load(path: Path | None, key: str, rungs: Mapping[str, Rungs]) -> dict | None:

@@ -409,7 +409,7 @@ def _stock_provider(run, base, imx):
     def stock(ftype: str):
         try:
             return recipes.stock_types(run.plans, config, ftype, has_imatrix=imx is not None)
-        except recipes.UnknownFtypeError:
+        except recipes.RecipeError:
             return None
     return stock
 
