@@ -44,4 +44,30 @@ def test_attention_family():
     assert q.is_attention("model.layers.0.linear_attn.in_proj_z.weight")
     assert q.is_attention("model.layers.3.self_attn.q_proj.weight")
     assert not q.is_attention("model.layers.3.mlp.up_proj.weight")
-    assert get_adapter("lfm2").transpose_embedding is False  # verified against conversion/lfm2.py
+
+
+def test_converter_layout_finds_a_transposition_and_lfm2_embedding_is_not_one(tmp_path):
+    """Adapters carry no layout flags: the layout map learns from the converter where each element
+    goes. A transposed store is found as such (and maps back exactly), and LFM2's token_embd is
+    stored untransposed ([vocab, hidden], conversion/lfm2.py), which the learned map says."""
+    import numpy as np
+    import torch
+    import transformers as T
+
+    from voodoo_quant.layout import TensorLayout, _factor, model_layouts
+
+    w = np.arange(15, dtype=np.int64).reshape(3, 5)
+    fac = _factor(w.T.reshape(-1), (3, 5), (5, 3))
+    assert fac == {"rows": None, "cols": None, "transposed": True}
+    lay = TensorLayout("w", "w", (3, 5), (5, 3), **fac)
+    x = np.random.default_rng(0).standard_normal((3, 5)).astype(np.float32)
+    assert np.array_equal(lay.to_gguf(x), x.T) and np.array_equal(lay.from_gguf(lay.to_gguf(x)), x)
+
+    torch.manual_seed(0)
+    m = T.Lfm2ForCausalLM(T.Lfm2Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                                       layer_types=["conv", "full_attention"]))
+    m.save_pretrained(tmp_path / "lfm2")
+    emb = model_layouts(tmp_path / "lfm2")["model.embed_tokens.weight"]
+    assert emb.gguf_name == "token_embd.weight" and emb.gguf_shape == (512, 256)
+    assert emb.is_identity and not emb.transposed

@@ -113,3 +113,26 @@ def test_gguf_eval_parses_real_llama_perplexity(tiny_llama_f32_gguf, tmp_path):
     assert 8.4 < row["bpw"] < 8.6  # Q8_0 = 8.5 bpw; 1-D norms stay F32
     assert json.loads((tmp_path / "e.json").read_text())["rows"][0]["kld_mean"] == row["kld_mean"]
     assert (tmp_path / "e.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_unreadable_ggufs_are_refused_by_name_before_llama_perplexity(tiny_llama_f32_gguf, tmp_path):
+    """Every GGUF input is parsed first: a random file, a truncated one and a bad reference are
+    refused in one line naming the file (llama-perplexity alone may say only 'exited with 1')."""
+    rng = np.random.default_rng(0)
+    rand = tmp_path / "random.gguf"
+    rand.write_bytes(rng.integers(0, 256, 4096, dtype=np.uint8).tobytes())
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_bytes(b"GGUF" + rng.integers(0, 256, 4096, dtype=np.uint8).tobytes())
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(tiny_llama_f32_gguf.read_bytes()[:-1000])
+    text = tmp_path / "t.txt"
+    text.write_text("some text " * 50)
+    cases = [(["--gguf", rand, "--reference", tiny_llama_f32_gguf], f"--gguf file {rand} is not a GGUF file"),
+             (["--gguf", garbage, "--reference", tiny_llama_f32_gguf], f"--gguf file {garbage} "),
+             (["--gguf", cut, "--reference", tiny_llama_f32_gguf], f"--gguf file {cut} is truncated: tensor "),
+             (["--gguf", tiny_llama_f32_gguf, "--reference", rand], f"--reference GGUF {rand} is not a GGUF file")]
+    for args, expect in cases:
+        r = runner.invoke(app, ["eval", *map(str, args), "--text", str(text)])
+        lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+        assert r.exit_code != 0 and len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+        assert expect in lines[0] and "llama-perplexity" not in lines[0], lines[0]

@@ -16,7 +16,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from voodoo_quant import converter, paths
+from voodoo_quant import converter, paths, provenance
 from voodoo_quant import qtypes as qt
 from voodoo_quant.assignment import Assignment, TensorChoice
 from voodoo_quant.layout import model_layouts
@@ -73,7 +73,7 @@ def exported(request, tmp_path_factory, smollm2_tok_dir):
         entries[lay.gguf_name] = Entry(sums=rng.uniform(0.1, 10, lay.n_per_row).astype(np.float32) * 37, counts=np.array([37]))
     imatrix = Imatrix(entries=entries, datasets=["synthetic"], chunk_count=3, chunk_size=512)
     imatrix.save_gguf(root / "imatrix.gguf")
-    asg = Assignment(tensors=choices, model=str(d))
+    asg = provenance.stamp(Assignment(tensors=choices, model=str(d)), d, imatrix=root / "imatrix.gguf")
     asg.save(root / "assignment.json")
     res = export(ExportConfig(model=d, assignment=root / "assignment.json", output_dir=root / "out",
                               imatrix=root / "imatrix.gguf", size_percent=45, keep_f32=True))

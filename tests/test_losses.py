@@ -53,14 +53,31 @@ def test_chunked_losses_and_gradients_equal_the_whole_logits(run, chunk):
         torch.testing.assert_close(g1[n], g0[n], rtol=1e-4, atol=1e-7)
 
 
-def test_chunked_routed_head_is_reproducible_under_the_checkpoint(run):
-    """PTQR draws the LM head's routes per chunk (salted); the backward recompute must see the
-    same routes, which the same seed/step gives: two identical runs, identical gradients."""
+def test_chunked_routed_head_is_reproducible_under_the_checkpoint(run, monkeypatch):
+    """PTQR draws the LM head's routes per chunk (salted); the backward pass recomputes each chunk
+    inside its gradient checkpoint and must see the same routes as the forward did. Reference: the
+    same chunks and salts without the checkpoint (autograd keeps the forward's own graph), so the
+    gradients must be equal; a recompute with other routes gives other gradients."""
     ids = run.tokens[2:4]
-    a = _terms(run, ids, 16, routing.Router("ptqr", 0, 5))
-    b = _terms(run, ids, 16, routing.Router("ptqr", 0, 5))
-    assert a[0] == b[0] and a[1] == b[1]
-    assert all(torch.equal(a[2][n], b[2][n]) for n in a[2])
+    router = routing.Router("ptqr", 0, 5)
+    ck = _terms(run, ids, 16, router)
+    monkeypatch.setattr(losses, "checkpoint", lambda fn, *a, use_reentrant=False: fn(*a))
+    ref = _terms(run, ids, 16, router)
+    monkeypatch.undo()
+    assert ck[0] == ref[0] and ck[1] == ref[1]
+    head = run.mixed[next(n for n in run.mixed if "embed_tokens" in n)]  # tied: the LM head's gates
+    assert ref[2][head.name].abs().sum() > 0
+    for n in ref[2]:
+        torch.testing.assert_close(ck[2][n], ref[2][n], rtol=1e-5, atol=1e-8, msg=lambda m, n=n: f"{n}: {m}")
+    # The routes really depend on the chunk salt (else the test could not tell a wrong recompute,
+    # and every chunk of the head would draw the same routes).
+    p = head.probs().detach()
+    draws = []
+    for salt in (0, 1, 2):
+        router.salt = salt
+        draws.append(routing.sample_routes(p, 64, router.key(head.name, "lm_head")))
+    router.salt = 0
+    assert not torch.equal(draws[0], draws[1]) and not torch.equal(draws[1], draws[2])
 
 
 def test_logit_transforms_fall_back_to_whole_logits(run):

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from voodoo_quant.menus import parse_upgrades
+from voodoo_quant.menus import is_pinned, parse_upgrades
 from voodoo_quant.training import knapsack, sensitivity
 from voodoo_quant.training.bake import bake
 from voodoo_quant.training.config import TrainConfig
@@ -136,16 +136,33 @@ def test_polish_never_leaves_the_dead_zone_and_never_loses_quality():
         before = sum(table[n][k] for n, k in start.items())
         after = sum(table[n][k] for n, k in res.choice.items())
         assert after <= before and res.gain == pytest.approx(before - after)
-        assert all(abs(res.choice[n] - start[n]) <= len(p.sizes) for n, p in ((p.name, p) for p in plans))
+        # Every choice is a rung of its menu, and the walk moves one rung at a time: each further
+        # operation (a single upgrade, or an up/down pair) changes at most two tensors by one rung.
+        assert all(0 <= res.choice[p.name] < len(p.sizes) for p in plans)
+        assert sum(abs(res.choice[p.name] - start[p.name]) for p in plans) <= res.moves
+        prev = start
+        for m in range(1, res.moves + 1):
+            cur = knapsack.polish(plans, table, start, lower=lower, upper=upper, max_moves=m).choice
+            moved = {n: cur[n] - prev[n] for n in cur if cur[n] != prev[n]}
+            assert len(moved) <= 2 and all(abs(v) == 1 for v in moved.values()), (seed, m, moved)
+            prev = cur
 
 
 def test_polish_leaves_tensors_under_an_upgrade_rule_alone():
+    """Real parameter names and a rule written as in the reference recipe (no ``.weight``, anchored
+    at the end): the tensors it matches keep their rung; the others are free to move."""
     plans, table = _synthetic()
-    start = {p.name: 0 for p in plans}
-    total = sum(p.sizes[0] for p in plans)
-    ups = parse_upgrades('[{"pattern": "^t1$", "levels": 1}]')
-    res = knapsack.polish(plans, table, start, lower=total, upper=total * 1.5, upgrades=ups)
-    assert res.choice["t1"] == 0 and res.moves > 0
+    real = [SimpleNamespace(name=f"model.layers.{i}.{'mlp.down_proj' if i % 3 == 0 else 'self_attn.q_proj'}.weight",
+                            sizes=p.sizes, menu=p.menu) for i, p in enumerate(plans)]
+    table = {r.name: table[p.name] for r, p in zip(real, plans)}
+    start = {p.name: 0 for p in real}
+    total = sum(p.sizes[0] for p in real)
+    ups = parse_upgrades(r'[{"pattern": "mlp\\.down_proj$", "levels": 1}]')
+    pinned = [p.name for p in real if "down_proj" in p.name]
+    assert pinned and all(is_pinned(n, ups) for n in pinned)
+    res = knapsack.polish(real, table, start, lower=total, upper=total * 1.5, upgrades=ups)
+    assert res.moves > 0 and any(res.choice[p.name] > 0 for p in real if p.name not in pinned)
+    assert all(res.choice[n] == 0 for n in pinned), {n: res.choice[n] for n in pinned}
 
 
 def test_method_sensitivity_writes_the_training_outputs_on_budget(gate_model_dir, tmp_path, warm):

@@ -24,11 +24,17 @@ def _run(*args):
     return r
 
 
-def test_from_hf_dir_teacher_is_ggml_q8_0(tiny_llama_hf_dir, tmp_path, ggml_lib):
+def test_from_hf_dir_teacher_is_ggml_q8_0(tiny_llama_hf_dir, tmp_path, vendored_gguf_quants):
+    """The teacher's packed blocks and values against an independent reference: gguf-py's numpy
+    Q8_0 (the vendored tree's; FACTS.md: its bytes equal libggml's), not the bridge that made them."""
+    import sys
+
+    Q8_0 = sys.modules[vendored_gguf_quants.__package__ + ".constants"].GGMLQuantizationType.Q8_0
     _run("--model", tiny_llama_hf_dir, "--output_dir", tmp_path, "--base_name", "b.pt", "--teacher_name", "t.pt")
     src = load_file(tiny_llama_hf_dir / "model.safetensors")
     base, bh = load_base(tmp_path / "b.pt")
     teacher, th = load_teacher(tmp_path / "t.pt")
+    raw = torch.load(tmp_path / "t.pt", weights_only=True)
     assert bh["source"] == th["source"] == source_identity(tiny_llama_hf_dir).to_dict()
     assert set(base) == set(teacher) == set(src) - {"lm_head.weight"}  # tied: one tensor
     q8 = 0
@@ -38,10 +44,15 @@ def test_from_hf_dir_teacher_is_ggml_q8_0(tiny_llama_hf_dir, tmp_path, ggml_lib)
         assert base[name].dtype == torch.bfloat16 and torch.equal(base[name], w)
         w32 = w.float().numpy()
         if w.ndim == 2:
-            ref = ggml_lib.dequantize(ggml_lib.quantize(np.ascontiguousarray(w32), "Q8_0"), "Q8_0", w32.shape)
+            blocks = vendored_gguf_quants.quantize(np.ascontiguousarray(w32), Q8_0)
+            ref = vendored_gguf_quants.dequantize(blocks, Q8_0).reshape(w32.shape)
             got = teacher[name].numpy()
             bad = int((got != ref).sum())
-            assert bad == 0, f"{name}: {bad} of {ref.size} weights differ from ggml Q8_0"
+            assert bad == 0, f"{name}: {bad} of {ref.size} weights differ from gguf-py's Q8_0"
+            e = raw["tensors"][name]
+            packed = np.empty((w32.shape[0], w32.shape[1] // 32), dtype=[("d", "<f2"), ("qs", "i1", (32,))])
+            packed["d"], packed["qs"] = e["d"].numpy(), e["qs"].numpy().reshape(packed.shape + (32,))
+            assert packed.tobytes() == blocks.tobytes(), f"{name}: packed Q8_0 blocks differ from gguf-py's"
             q8 += 1
         else:
             assert torch.equal(teacher[name], w.float())

@@ -113,12 +113,16 @@ class QuantizedModel:
     def assignment(self):
         return self.result.assignment
 
-    def save(self, path: str | Path, *, overwrite: bool = True):
-        """Write the GGUF (atomically) and its tensor-type file; returns the ExportResult."""
+    def save(self, path: str | Path, *, overwrite: bool = True, allow_mismatch: bool = False):
+        """Write the GGUF (atomically) and its tensor-type file; returns the ExportResult.
+
+        The export checks the assignment's provenance (imatrix, base weights, libggml, menus)
+        and raises ``provenance.ProvenanceMismatchError`` on a mismatch unless `allow_mismatch`."""
         from .tools.export import ExportConfig, export
 
         path = Path(path)
         if path.suffix != ".gguf":
             raise ConfigError(f"{path}: the output must be a .gguf file")
         return export(ExportConfig(model=self.model_dir, assignment=self.assignment, output_dir=path.parent,
-                                   imatrix=Path(self.imatrix), output_name=path.name, overwrite=overwrite))
+                                   imatrix=Path(self.imatrix), output_name=path.name, overwrite=overwrite,
+                                   allow_mismatch=allow_mismatch))

@@ -15,7 +15,10 @@ from . import fileio
 from . import qtypes as qt
 from .errors import CorruptFileError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# Format 1 had no provenance (base weights, libggml, menus): still read, refused by export unless
+# --allow_mismatch (voodoo_quant/provenance.py).
+READABLE_VERSIONS = (1, 2)
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,18 @@ class Assignment:
     imatrix_sha256: str | None = None
     target_bytes: int | None = None  # size the trainer targeted for the selectable tensors
     meta: dict[str, Any] = field(default_factory=dict)
+    # provenance (voodoo_quant/provenance.py): what the candidates were quantized from and by
+    weights_sha256: str | None = None
+    ggml_version: str | None = None
+    menus: dict[str, list[str]] | None = None  # requested candidate types per role
+    base_checkpoint: str | None = None  # the --base_checkpoint whose weights replaced the model's
+    format_version: int = FORMAT_VERSION  # of the file it was read from
+
+    PROVENANCE = ("weights_sha256", "ggml_version", "menus")
+
+    def missing_provenance(self) -> list[str]:
+        """The provenance fields this assignment lacks (all of them for a format-1 file)."""
+        return [k for k in self.PROVENANCE if getattr(self, k) in (None, "", {})]
 
     @property
     def total_bytes(self) -> int:
@@ -73,6 +88,10 @@ class Assignment:
             "imatrix": self.imatrix,
             "imatrix_sha256": self.imatrix_sha256,
             "target_bytes": self.target_bytes,
+            "weights_sha256": self.weights_sha256,
+            "ggml_version": self.ggml_version,
+            "menus": self.menus,
+            "base_checkpoint": self.base_checkpoint,
             "total_bytes": self.total_bytes,
             "bpw": round(self.bpw, 4),
             "meta": self.meta,
@@ -82,7 +101,7 @@ class Assignment:
     @classmethod
     def from_dict(cls, d: dict[str, Any], *, source: str = "assignment") -> "Assignment":
         try:
-            if d.get("format_version") != FORMAT_VERSION:
+            if d.get("format_version") not in READABLE_VERSIONS:
                 raise CorruptFileError(f"{source}: unsupported format_version {d.get('format_version')!r}")
             tensors = {
                 k: TensorChoice(**{**v, "shape": tuple(v["shape"]), "menu": tuple(v.get("menu", ()))})
@@ -95,6 +114,11 @@ class Assignment:
                 imatrix_sha256=d.get("imatrix_sha256"),
                 target_bytes=d.get("target_bytes"),
                 meta=d.get("meta", {}),
+                weights_sha256=d.get("weights_sha256"),
+                ggml_version=d.get("ggml_version"),
+                menus=d.get("menus"),
+                base_checkpoint=d.get("base_checkpoint"),
+                format_version=int(d["format_version"]),
             )
         except CorruptFileError:
             raise

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from . import converter
-from .errors import ConfigError, QuantizationInputError
+from .errors import ConfigError, CorruptFileError, QuantizationInputError
 
 # llama-quantize only quantizes >= 2-D tensors whose name ends in "weight" and that are not
 # in its exclusion list (src/llama-quant.cpp tensor_allows_quantization). The subset that
@@ -38,6 +38,16 @@ _NOT_QUANTIZED = (
     "per_layer_model_proj", "position_embd", "token_types", "ssm_conv1d", "shortconv.conv.weight",
     "indexer.k_proj.weight", "indexer.q_proj.weight", "attn_rel_b.weight", "time_mix_",
 )
+
+
+def ggml_n_dims(ne) -> int:
+    """ggml_n_dims (ggml/src/ggml.c): the dimensions up to the last one larger than 1, so a
+    [4096, 1] tensor counts as 1-D. `ne` in ggml order (ne[0] = row length)."""
+    ne = [int(x) for x in ne]
+    for i in range(len(ne) - 1, 0, -1):
+        if ne[i] > 1:
+            return i + 1
+    return 1
 
 
 def llama_quantize_allows(gguf_name: str, n_dims: int) -> bool:
@@ -191,25 +201,36 @@ def _index_tensor(shape: tuple[int, ...]):
     return torch.arange(n, dtype=torch.int64).reshape(shape)
 
 
-def _checkpoint_tensors(model_dir: Path) -> dict[str, tuple[int, ...]]:
-    """{name: shape} of every tensor in the checkpoint's safetensors (header only)."""
+def checkpoint_tensors(model_dir: Path) -> dict[str, tuple[int, ...]]:
+    """{name: shape} of every tensor in the checkpoint's safetensors, from their headers alone
+    (the one safetensors header parser: layout maps, export's space check, base checkpoints)."""
+    model_dir = Path(model_dir)
     idx = model_dir / "model.safetensors.index.json"
     if idx.is_file():
-        files = sorted(set(json.loads(idx.read_text())["weight_map"].values()))
+        try:
+            files = sorted(set(json.loads(idx.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CorruptFileError(f"{idx} is not a safetensors index: {type(e).__name__}: {e}") from None
     else:
         files = sorted(p.name for p in model_dir.glob("model*.safetensors"))
     if not files:
         raise ConfigError(f"{model_dir}: no safetensors weights found")
     out: dict[str, tuple[int, ...]] = {}
     for f in files:
-        raw = (model_dir / f).read_bytes()[:8]
-        n = int.from_bytes(raw, "little")
-        with open(model_dir / f, "rb") as fh:
-            fh.seek(8)
-            header = json.loads(fh.read(n))
-        for k, v in header.items():
-            if k != "__metadata__":
-                out[k] = tuple(int(s) for s in v["shape"])
+        path = model_dir / f
+        try:
+            with open(path, "rb") as fh:
+                n = int.from_bytes(fh.read(8), "little")
+                if n <= 0 or n > path.stat().st_size - 8:
+                    raise ValueError(f"header length {n} does not fit the file")
+                header = json.loads(fh.read(n))
+            for k, v in header.items():
+                if k != "__metadata__":
+                    out[k] = tuple(int(s) for s in v["shape"])
+        except OSError as e:
+            raise CorruptFileError(f"{path}: cannot read ({e.strerror or e})") from None
+        except (ValueError, KeyError, TypeError, AttributeError, MemoryError) as e:
+            raise CorruptFileError(f"{path} is not a safetensors file: {type(e).__name__}: {e}") from None
     return out
 
 
@@ -230,7 +251,7 @@ def model_layouts(model_dir: str | Path, *, min_dims: int = 2) -> dict[str, Tens
     inst = converter.instantiate(model_dir)
     out: dict[str, TensorLayout] = {}
     with torch.inference_mode():
-        for name, shape in _checkpoint_tensors(model_dir).items():
+        for name, shape in checkpoint_tensors(model_dir).items():
             if len(shape) < min_dims:
                 continue
             item = type(inst).filter_tensors((name, lambda: None))
@@ -256,7 +277,7 @@ def model_layouts(model_dir: str | Path, *, min_dims: int = 2) -> dict[str, Tens
             fac = {} if _is_identity(flat) else _factor(flat, hf2d, gshape)
             out[name] = TensorLayout(
                 hf_name=name, gguf_name=gguf_name, hf_shape=tuple(shape), gguf_shape=gshape,
-                quantizable=llama_quantize_allows(gguf_name, len(gshape)), **fac,
+                quantizable=llama_quantize_allows(gguf_name, ggml_n_dims(gshape[::-1])), **fac,
             )
     return out
 

@@ -17,7 +17,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from .errors import ConfigError, CorruptFileError, VoodooError
 
@@ -109,15 +109,13 @@ def load_model(source: str | os.PathLike, *, text_model_class: str | None = None
     """A causal LM from an HF dir / GGUF / hub id, in eval mode, on the CPU.
 
     With `text_model_class` / `strip_prefix`, only the text model of a wrapper is built; its
-    weights are read by :func:`voodoo_quant.tools.teacher.text_state_dict`.
+    weights are read by :func:`text_state_dict`.
     """
     import torch
 
     dtype = dtype or torch.float32
     path, kw = _hf_kwargs(source)
     if (text_model_class is not None or strip_prefix) and not is_gguf(source):
-        from .tools.teacher import text_state_dict
-
         cls, text_cfg = resolve_text_class(load_config(source), text_model_class)
         sd = text_state_dict(Path(source), cls, text_cfg, strip_prefix=strip_prefix, dtype=dtype)
         return model_from_state_dict(cls, text_cfg, sd, dtype=dtype)
@@ -186,3 +184,63 @@ def source_identity(source: str | os.PathLike) -> SourceIdentity:
                 h.update(json.dumps([f.name, sha256_file(f)]).encode())
         return SourceIdentity(str(p.resolve()), "hf_dir", h.hexdigest())
     return SourceIdentity(str(source), "hub", "")
+
+
+# -- a text model's weights from an HF dir, one tensor at a time (make-teacher, load_model) -----
+
+def _safetensors_files(d: Path) -> list[Path]:
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{d} has no *.safetensors files")
+    return files
+
+
+def _expected_keys(cls, text_cfg) -> tuple[set[str], set[str]]:
+    """(state-dict keys of the text model, keys that are tied and may be absent)."""
+    import torch
+
+    with torch.device("meta"):
+        model = cls(text_cfg)
+    keys = set(model.state_dict())
+    tied = {k for k in keys if k.endswith("lm_head.weight")} if getattr(text_cfg, "tie_word_embeddings", False) else set()
+    return keys, tied
+
+
+def _map_key(key: str, expected: set[str], strip_prefix: str | None) -> str | None:
+    """The text model's name for a checkpoint key, or None when it is not part of it.
+
+    A wrapper's ``model.language_model.layers.0...`` stripped of its prefix is the text backbone's
+    ``layers.0...``, which the causal-LM class holds as ``model.layers.0...``.
+    """
+    if strip_prefix and key.startswith(strip_prefix):
+        rest = key[len(strip_prefix):]
+        for cand in (rest, f"model.{rest}"):
+            if cand in expected:
+                return cand
+        return None
+    return key if key in expected else None
+
+
+def iter_hf_dir(d: Path, cls, text_cfg, strip_prefix: str | None) -> Iterator[tuple[str, Any]]:
+    """(text-model name, float32 tensor) of an HF dir, one tensor in memory at a time."""
+    import torch
+    from safetensors import safe_open
+
+    expected, tied = _expected_keys(cls, text_cfg)
+    seen: set[str] = set()
+    for f in _safetensors_files(d):
+        with safe_open(str(f), framework="pt") as st:
+            for key in st.keys():
+                name = _map_key(key, expected, strip_prefix)
+                if name is None or name in tied:
+                    continue
+                seen.add(name)
+                yield name, st.get_tensor(key).to(torch.float32)
+    missing = sorted(expected - seen - tied)
+    if missing:
+        hint = "" if strip_prefix else "; a multimodal wrapper needs --strip_prefix (e.g. model.language_model.)"
+        raise ModelLoadError(f"{d}: {len(missing)} tensor(s) of {cls.__name__} not found, e.g. {missing[:3]}{hint}")
+
+
+def text_state_dict(d: Path, cls, text_cfg, *, strip_prefix: str | None, dtype: Any) -> dict[str, Any]:
+    return {k: v.to(dtype) for k, v in iter_hf_dir(d, cls, text_cfg, strip_prefix)}

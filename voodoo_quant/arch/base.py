@@ -7,7 +7,6 @@ An adapter describes one model family to the core:
   family (it then takes ``--attention_candidates``);
 - ``gguf_name(hf_name)``: the llama.cpp tensor name of an HF parameter (export, imatrix,
   tensor-type file);
-- ``transpose_embedding``: whether llama.cpp stores ``token_embd`` transposed;
 - ``shard_layer``: tensor-parallel sharding of one decoder layer (None = TP refused).
 """
 
@@ -28,9 +27,8 @@ class ArchAdapter:
     model_types: ClassVar[tuple[str, ...]] = ()
     # HF parameter-name substrings that mark the attention family.
     attention_segments: ClassVar[tuple[str, ...]] = ("self_attn.", "attention.", "attn.")
-    # llama.cpp stores token_embd as [vocab, hidden] for most models; True = the adapter's
-    # export writes it transposed.
-    transpose_embedding: ClassVar[bool] = False
+    # No layout flags here: how the converter lays a tensor out in the GGUF (transposed, rows or
+    # columns permuted) is learned from the converter itself (layout.py), for every architecture.
     # (regex on the HF name, GGUF name template with {bid}) pairs; first match wins.
     gguf_names: ClassVar[tuple[tuple[str, str], ...]] = ()
 

@@ -18,7 +18,6 @@ class Lfm2Adapter(ArchAdapter):
     name = "lfm2"
     model_types = ("lfm2",)
     attention_segments = ("self_attn.", "conv.")
-    transpose_embedding = False
     # HF name pattern → number of equal row groups fused in that tensor.
     fused_row_groups = ((r".*\.conv\.in_proj\.weight", 3),)
     gguf_names = (

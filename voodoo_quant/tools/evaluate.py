@@ -25,7 +25,7 @@ from typing import Any, Sequence
 
 from .. import envs, fileio
 from ..errors import ConfigError, ToolFailedError
-from .llama_tools import gguf_tensor_stats, last_error_line, run_tool
+from .llama_tools import check_gguf, gguf_tensor_stats, last_error_line, run_tool
 
 # -- statistics --------------------------------------------------------------------------------
 
@@ -191,6 +191,10 @@ class GGUFEvalConfig:
         for f in [self.reference, *self.files]:
             if not f.is_file():
                 raise ConfigError(f"GGUF file {f} does not exist")
+        # Parsed before any stock tool runs: llama-perplexity may fail on a bad file naming none.
+        check_gguf(self.reference, "--reference GGUF")
+        for f in self.files:
+            check_gguf(f, "--gguf file")
         if (self.text is None) == (self.eval_tokens is None):
             raise ConfigError("give exactly one of --text FILE and --eval_tokens FILE")
         if self.text is not None and not Path(self.text).is_file():
@@ -297,7 +301,7 @@ class TorchEvalConfig:
 def evaluate_torch_cli(cfg: TorchEvalConfig) -> EvalRow:
     """The CLI's torch path: student from ``--model``, teacher from ``--teacher_checkpoint``."""
     from .data import load_tokens
-    from .teacher import module_from_checkpoint
+    from ..checkpoints import module_from_checkpoint
 
     tokens = load_tokens(cfg.eval_tokens, what="eval tokens")
     if cfg.max_sequences:

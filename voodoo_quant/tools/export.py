@@ -3,14 +3,21 @@
 Pipeline: llama.cpp's own ``convert_hf_to_gguf.py`` writes an F32 GGUF (metadata, tokenizer,
 tensor names and layout: every converter transform already applied), then every tensor is
 streamed into the final file: a selected tensor as the bytes libggml-base's quantizer gives for
-its assigned type (same imatrix vector as the candidates), every other tensor exactly as the
-converter wrote it. Because the F32 GGUF tensor *is* ``layout.to_gguf(W)`` (proved per
+its assigned type (same imatrix vector as the candidates); a tensor stock ``llama-quantize`` would
+quantize that the assignment does not cover (its converter transform is not a permutation, or it
+is not a Linear/Embedding weight) as the tool's base type writes it (``BASE_TYPE``, Q8_0: counted
+and reported, never silently F32); every other tensor exactly as the converter wrote it.
+
+Before any work the assignment's provenance is checked (``voodoo_quant/provenance.py``): the
+imatrix (taken from the assignment when ``--imatrix`` is not given), the libggml version, each
+tensor's menu; right after conversion, the hash of the float weights about to be quantized. Because the F32 GGUF tensor *is* ``layout.to_gguf(W)`` (proved per
 architecture in the tests), the exported bytes are the bytes the training candidate came from.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 import shutil
 import tempfile
@@ -20,11 +27,11 @@ from typing import Any
 
 import numpy as np
 
-from .. import converter, faults, fileio, ggml
+from .. import converter, faults, fileio, ggml, provenance
 from .. import qtypes as qt
 from ..assignment import Assignment
 from ..errors import ConfigError, CorruptFileError, QuantizationInputError
-from ..layout import find_layout, llama_quantize_allows, model_layouts
+from ..layout import checkpoint_tensors, find_layout, ggml_n_dims, llama_quantize_allows, model_layouts
 
 # llama.cpp's file-type guess (src/llama-model-loader.cpp): the ftype of the dominant type.
 _TYPE_TO_FTYPE = {
@@ -33,7 +40,19 @@ _TYPE_TO_FTYPE = {
     "Q5_K": "Q5_K_M", "Q6_K": "Q6_K", "TQ1_0": "TQ1_0", "TQ2_0": "TQ2_0", "IQ2_XXS": "IQ2_XXS",
     "IQ2_XS": "IQ2_XS", "IQ2_S": "IQ2_S", "IQ3_XXS": "IQ3_XXS", "IQ1_S": "IQ1_S", "IQ1_M": "IQ1_M",
     "IQ4_NL": "IQ4_NL", "IQ4_XS": "IQ4_XS", "IQ3_S": "IQ3_S",
+    # The loader has no guess for MXFP4 (it warns "unknown type" and says F32); the ftype that makes
+    # llama-quantize write MXFP4 tensors is MXFP4_MOE (src/llama-quant.cpp), so a file whose
+    # dominant type is MXFP4 says that.
+    "MXFP4": "MXFP4_MOE",
 }
+assert set(_TYPE_TO_FTYPE) == set(qt.QTYPES), sorted(set(qt.QTYPES) ^ set(_TYPE_TO_FTYPE))
+# The base type given to stock llama-quantize beside our --tensor-type-file (tests/test_export.py):
+# what it writes for a quantizable tensor no pattern names. At ftype Q8_0 llama_tensor_get_type
+# moves no tensor of a dense model off Q8_0 (an 8-expert model's attn_v/attn_k go to Q8_0 too),
+# and a row that is not a multiple of 32 falls back to F16 (tensor_type_fallback).
+BASE_TYPE = "Q8_0"
+log = logging.getLogger(__name__)
+
 # GGUF header fields the reader synthesizes, and the one GGUFWriter writes itself.
 _SKIP_KEYS = ("GGUF.", "general.architecture")
 
@@ -51,6 +70,7 @@ class ExportConfig:
     overwrite: bool = False
     keep_f32: bool = False  # keep the converter's F32 GGUF beside the output (for checks)
     workers: int | None = None
+    allow_mismatch: bool = False  # export even when the provenance checks disagree (experts)
 
     def __post_init__(self) -> None:
         self.model = Path(self.model)
@@ -69,8 +89,8 @@ class ExportConfig:
             self.imatrix = Path(self.imatrix)
             if not self.imatrix.is_file():
                 raise ConfigError(f"--imatrix {self.imatrix} does not exist")
-        if self.size_percent is not None:
-            qt.badge_for(self.size_percent)  # refuses a non-standard size, listing the standard ones
+        if self.size_percent is not None and not (isinstance(self.size_percent, int) and 0 < self.size_percent <= 400):
+            raise ConfigError(f"--size_percent must be a whole percent of Q8_0 in 1..400, got {self.size_percent!r}")
         if self.output_name is None and self.size_percent is None:
             raise ConfigError("give --output_name or --size_percent (for the canonical Voodoo<NN>_<BADGE> name)")
         if self.output_name is not None and not self.output_name.endswith(".gguf"):
@@ -94,6 +114,10 @@ class ExportResult:
     tensor_type_file: Path
     f32_gguf: Path | None = None
     types: dict[str, int] = field(default_factory=dict)  # ggml type → tensor count
+    # quantizable tensors the assignment does not cover, written as BASE_TYPE would be: name → type
+    fixed: dict[str, str] = field(default_factory=dict)
+    fixed_bytes: int = 0
+    imatrix: str | None = None  # the imatrix file the export quantized with
 
 
 def _bare_name(name: str) -> bool:
@@ -102,19 +126,7 @@ def _bare_name(name: str) -> bool:
 
 def _checkpoint_elements(model: Path) -> int:
     """Number of weights in the checkpoint's safetensors, from their headers alone."""
-    import json
-    import struct
-
-    n = 0
-    for f in sorted(model.glob("*.safetensors")):
-        with open(f, "rb") as fh:
-            try:
-                (size,) = struct.unpack("<Q", fh.read(8))
-                header = json.loads(fh.read(size))
-            except (struct.error, ValueError, MemoryError) as e:
-                raise CorruptFileError(f"{f} is not a safetensors file: {e}") from None
-        n += sum(int(np.prod(v["shape"], dtype=np.int64)) for k, v in header.items() if k != "__metadata__")
-    return n
+    return sum(int(np.prod(shape, dtype=np.int64)) for shape in checkpoint_tensors(model).values())
 
 
 def check_space(cfg: ExportConfig, asg: Assignment, out_path: Path) -> None:
@@ -128,24 +140,16 @@ def check_space(cfg: ExportConfig, asg: Assignment, out_path: Path) -> None:
 
 
 def canonical_name(model: str, percent: int) -> str:
-    """``<Model>.Voodoo<NN>_<BADGE>.gguf``, e.g. ``Qwen3.5-0.8B.Voodoo45_IQ2_M.gguf``."""
-    return f"{model}.Voodoo{percent}_{qt.badge_for(percent)}.gguf"
-
-
-def _load_imatrix(im: Any):
-    if im is None or not isinstance(im, Path):
-        return im
-    from .. import imatrix
-
-    return imatrix.load(im)
+    """``<Model>.Voodoo<NN>_<BADGE>.gguf``, e.g. ``Qwen3.5-0.8B.Voodoo45_IQ2_M.gguf``; a size
+    outside the curated badge table is named by its number alone (``<Model>.Voodoo85.gguf``)."""
+    badge = qt.BADGES.get(percent)
+    return f"{model}.Voodoo{percent}_{badge}.gguf" if badge else f"{model}.Voodoo{percent}.gguf"
 
 
 def _hf_dir_with_weights(model: Path, pt: Path, tmp: Path) -> Path:
     """A temporary HF dir: the model's config/tokenizer files + the .pt's weights as safetensors."""
     import torch
     from safetensors.torch import save_file
-
-    from ..layout import _checkpoint_tensors
 
     out = tmp / model.name
     out.mkdir()
@@ -155,7 +159,7 @@ def _hf_dir_with_weights(model: Path, pt: Path, tmp: Path) -> Path:
     sd = fileio.torch_load(pt, what="base checkpoint")
     if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
         raise CorruptFileError(f"{pt} is not a state dict of tensors")
-    known = _checkpoint_tensors(model)
+    known = checkpoint_tensors(model)
     stripped = {re.sub(r"^model\.language_model\.", "model.", k): k for k in known}
     tensors = {}
     for k, v in sd.items():
@@ -210,17 +214,30 @@ def _copy_kv(reader, writer, gguf) -> None:
         writer.add_key_value(f.name, f.contents(), vtype, sub_type=sub)
 
 
+def _weights_sha256(reader, selected: dict[str, str]) -> str:
+    """provenance.weights_sha256 of the converter's F32 tensors the assignment selects."""
+    def matrices():
+        for t in reader.tensors:
+            if t.name in selected:
+                shape = tuple(int(s) for s in reversed(t.shape.tolist()))
+                yield t.name, np.asarray(t.data, dtype=np.float32).reshape(-1, shape[-1])
+    return provenance.weights_sha256(matrices())
+
+
 def export(cfg: ExportConfig) -> ExportResult:
     asg = cfg.assignment if isinstance(cfg.assignment, Assignment) else Assignment.load(cfg.assignment)
+    source = str(cfg.assignment) if isinstance(cfg.assignment, Path) else "the assignment"
     if not asg.tensors:
         raise ConfigError("the assignment selects no tensor")
+    # Provenance first: refuse before minutes of converting (one line naming both values).
+    provenance.check_recorded(asg, source=source, allow=cfg.allow_mismatch)
+    imat = provenance.resolve_imatrix(asg, cfg.imatrix, allow=cfg.allow_mismatch)
     out_path = cfg.output_dir / cfg.file_name()
     if out_path.exists() and not cfg.overwrite:
         raise fileio.OutputExistsError(f"{out_path} exists; pass --overwrite to replace it")
     fileio.ensure_writable(cfg.output_dir)
     fileio.remove_stale_temps(cfg.output_dir, (out_path.name,))  # left by an export killed mid-write
     check_space(cfg, asg, out_path)
-    imat = _load_imatrix(cfg.imatrix)
     gguf = converter.vendored_gguf()
     lib = ggml.lib()
 
@@ -234,17 +251,29 @@ def export(cfg: ExportConfig) -> ExportResult:
         unknown = sorted(set(selected) - present)
         if unknown:
             raise ConfigError(f"assignment names {len(unknown)} tensor(s) not in the converted GGUF, e.g. {unknown[0]}")
+        if asg.weights_sha256 is not None:
+            provenance.check_weights(asg, _weights_sha256(reader, selected), model=cfg.model,
+                                     base_checkpoint=cfg.base_checkpoint, allow=cfg.allow_mismatch)
 
         # Plan every tensor first: the header (tensor infos) precedes the data.
         plan = []  # (reader tensor, qtype or None)
         counts: dict[str, int] = {}
-        n_sel = n_all = sel_bytes = all_bytes = 0
+        fixed: dict[str, str] = {}
+        recorded = {gguf_names[c.name]: c for c in asg.tensors.values()}
+        n_sel = n_all = sel_bytes = all_bytes = fixed_bytes = 0
         for t in reader.tensors:
-            shape = tuple(int(s) for s in reversed(t.shape.tolist()))  # numpy order
+            ne = [int(s) for s in t.shape.tolist()]  # ggml order: ne[0] = row length
+            shape = tuple(reversed(ne))  # numpy order
             n = int(np.prod(shape, dtype=np.int64))
             q = selected.get(t.name)
-            if q is not None:
-                if not llama_quantize_allows(t.name, len(shape)):
+            if q is None and llama_quantize_allows(t.name, ggml_n_dims(ne)):
+                # Stock llama-quantize would quantize it; the assignment does not cover it.
+                q = fixed[t.name] = qt.resolve_for_row(BASE_TYPE, shape[-1]).name
+                fixed_bytes += qt.tensor_bytes(q, shape)
+            if q is not None and t.name in fixed:
+                nbytes = qt.tensor_bytes(q, shape)
+            elif q is not None:
+                if not llama_quantize_allows(t.name, ggml_n_dims(ne)):
                     raise ConfigError(f"{t.name}: llama-quantize never quantizes this tensor; it cannot take {q}")
                 if not qt.get(q).fits(shape[-1]):
                     raise QuantizationInputError(
@@ -252,6 +281,11 @@ def export(cfg: ExportConfig) -> ExportResult:
                         f"llama-quantize would write {qt.resolve_for_row(q, shape[-1]).name}"
                     )
                 nbytes = qt.tensor_bytes(q, shape)
+                rec = recorded[t.name]
+                if rec.nbytes != nbytes:  # a hand-edited type, or an assignment made for other shapes
+                    provenance.refuse_or_warn(
+                        f"{rec.name}: the assignment records {rec.nbytes:,} bytes for {rec.qtype}, but {q} of "
+                        f"{t.name} {list(shape)} is {nbytes:,} bytes", cfg.allow_mismatch)
                 n_sel += n
                 sel_bytes += nbytes
             else:
@@ -272,7 +306,7 @@ def export(cfg: ExportConfig) -> ExportResult:
             w.add_file_type(_ftype(counts))
             if imat is not None:
                 # tools/quantize/quantize.cpp writes these four when given an imatrix.
-                src = getattr(imat, "source", None) or cfg.imatrix
+                src = getattr(imat, "source", None) or asg.imatrix
                 w.add_string("quantize.imatrix.file", str(src)[:127])
                 if getattr(imat, "datasets", None):
                     w.add_string("quantize.imatrix.dataset", imat.datasets[0][:127])
@@ -283,14 +317,15 @@ def export(cfg: ExportConfig) -> ExportResult:
             w.add_float32("voodoo.file_bpw", float(file_bpw))
             if cfg.size_percent is not None:
                 w.add_uint32("voodoo.size_percent", int(cfg.size_percent))
-                w.add_string("voodoo.badge", qt.badge_for(cfg.size_percent))
+                if cfg.size_percent in qt.BADGES:
+                    w.add_string("voodoo.badge", qt.BADGES[cfg.size_percent])
             for t, shape, q, nbytes in plan:
                 if q is None:
                     w.add_tensor_info(t.name, t.data.shape, t.data.dtype, nbytes, raw_dtype=t.tensor_type)
                 else:
-                    row_bytes = qt.get(q).row_bytes(shape[-1])
-                    rows = nbytes // row_bytes
-                    w.add_tensor_info(t.name, (rows, row_bytes), np.dtype(np.uint8), nbytes,
+                    # byte shape keeps every leading dim: a 3-D expert tensor stays 3-D in the header
+                    byte_shape = (*shape[:-1], qt.get(q).row_bytes(shape[-1]))
+                    w.add_tensor_info(t.name, byte_shape, np.dtype(np.uint8), nbytes,
                                       raw_dtype=gguf.GGMLQuantizationType(qt.get(q).id))
             w.write_header_to_file()
             w.write_kv_data_to_file()
@@ -303,7 +338,8 @@ def export(cfg: ExportConfig) -> ExportResult:
                 if t.tensor_type != gguf.GGMLQuantizationType.F32:
                     raise CorruptFileError(f"{t.name}: converter wrote {t.tensor_type.name}, expected F32")
                 w2 = np.ascontiguousarray(np.asarray(t.data, dtype=np.float32).reshape(-1, shape[-1]))
-                vec = imat.get_vector(t.name, shape[-1]) if imat is not None else None
+                # Q8_0 and F16 (the base type and its fallback) take no imatrix (quantize_q8_0 ignores it)
+                vec = None if imat is None or t.name in fixed or qt.get(q).is_float else imat.get_vector(t.name, shape[-1])
                 data = lib.quantize(w2, q, vec, name=t.name, workers=cfg.workers)
                 w.write_tensor_data(np.frombuffer(data, dtype=np.uint8))
             w.close()
@@ -316,14 +352,17 @@ def export(cfg: ExportConfig) -> ExportResult:
         del reader
 
     ttf = out_path.with_name(out_path.stem + ".tensor-types.txt")
-    asg_named = Assignment(
-        tensors={k: dataclasses.replace(v, gguf_name=gguf_names[v.name]) for k, v in asg.tensors.items()},
-        model=asg.model, imatrix=asg.imatrix, imatrix_sha256=asg.imatrix_sha256,
-        target_bytes=asg.target_bytes, meta=asg.meta,
+    asg_named = dataclasses.replace(
+        asg, tensors={k: dataclasses.replace(v, gguf_name=gguf_names[v.name]) for k, v in asg.tensors.items()},
     ) if any(v.gguf_name is None for v in asg.tensors.values()) else asg
     asg_named.save_tensor_types(ttf)
+    if fixed:
+        log.info("%d quantizable tensor(s) the assignment does not cover were written as llama-quantize's base "
+                 "type %s would: %s", len(fixed), BASE_TYPE, ", ".join(sorted(fixed)[:4]))
+    src = getattr(imat, "source", None)
     return ExportResult(
         path=out_path, nbytes=out_path.stat().st_size, bpw=bpw, file_bpw=file_bpw,
         tensor_type_file=ttf, f32_gguf=f32_keep, types=dict(sorted(counts.items())),
+        fixed=dict(sorted(fixed.items())), fixed_bytes=fixed_bytes, imatrix=str(src) if src else None,
     )
 

@@ -73,3 +73,44 @@ def gguf_tensor_stats(path: str | Path) -> tuple[int, int]:
         # numpy errors, ...: tests/test_fuzz_readers.py); the file is the cause in every case.
         first = (str(e).strip().splitlines() or [""])[0]
         raise CorruptFileError(f"GGUF file {path} is truncated or malformed: {type(e).__name__}: {first}") from None
+
+
+def check_gguf(path: str | Path, what: str = "GGUF file") -> None:
+    """Parse a GGUF's header (magic, version, key/values, tensor infos, types) and check that every
+    tensor's data lies inside the file, before the file is handed to a stock tool, which on a bad
+    file may exit with no message naming it. Reads only the header (grown until it parses)."""
+    import struct
+
+    from .. import qtypes as qt
+    from ..errors import VoodooError
+    from ..imatrix import _gguf_header
+
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise CorruptFileError(f"{what} {path} does not exist") from None
+    n = min(size, 1 << 20)
+    while True:
+        with open(path, "rb") as f:
+            raw = f.read(n)
+        if raw[:4] != b"GGUF":
+            raise CorruptFileError(f"{what} {path} is not a GGUF file (no GGUF magic)")
+        try:
+            _, infos, data0 = _gguf_header(raw)
+            ends = [(name, data0 + off + qt.tensor_bytes(qt.by_id(gtype), tuple(reversed(ne)) or (1,)))
+                    for name, ne, gtype, off in infos]
+            break
+        except (struct.error, ValueError, IndexError, KeyError, UnicodeDecodeError, TypeError, ZeroDivisionError,
+                OverflowError, RecursionError, MemoryError) as e:
+            if n >= size:
+                first = (str(e).strip().splitlines() or [""])[0]
+                raise CorruptFileError(f"{what} {path} is truncated or malformed: {type(e).__name__}: {first}") from None
+            n = min(size, n * 8)  # the header did not fit: read more
+        except VoodooError as e:  # unsupported version, unknown tensor type
+            raise CorruptFileError(f"{what} {path}: {e}") from None
+    if not infos:
+        raise CorruptFileError(f"{what} {path} holds no tensors")
+    for name, end in ends:
+        if end > size:
+            raise CorruptFileError(f"{what} {path} is truncated: tensor {name} ends at byte {end:,}, the file has {size:,}")

@@ -25,15 +25,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-import numpy as np
-
 from .. import fileio
-from .. import qtypes as qt
-from ..errors import ConfigError, CorruptFileError
-from ..modeling import ModelLoadError, is_gguf, resolve_text_class, source_identity
+from ..checkpoints import (  # noqa: F401  (the format lives in the core; re-exported for callers)
+    BASE_FORMAT, TEACHER_FORMAT, entry_to_float, load_base, load_teacher, module_from_checkpoint, teacher_entry,
+)
+from ..modeling import (  # noqa: F401
+    ModelLoadError, _expected_keys, is_gguf, iter_hf_dir, resolve_text_class, source_identity, text_state_dict,
+)
+from ..errors import ConfigError
 
-BASE_FORMAT = "voodoo-base/1"
-TEACHER_FORMAT = "voodoo-teacher/1"
 _DTYPES = ("bfloat16", "float32")
 DEGRID_BLOCK = 32
 
@@ -109,123 +109,6 @@ def degrid(name: str, w, seed: int):
     step = grid_step(w).repeat_interleave(DEGRID_BLOCK, dim=1)
     u = torch.rand(w.shape, generator=gen, dtype=torch.float32)
     return w + (u - 0.5) * step
-
-
-# -- Q8_0 teacher tensors ----------------------------------------------------------------------
-
-_Q8_0_BLOCK = np.dtype([("d", "<f2"), ("qs", "i1", (32,))])  # block_q8_0, ggml-common.h
-
-
-def teacher_entry(name: str, w) -> dict[str, Any]:
-    """One tensor of the teacher, as llama-quantize would store it in a Q8_0 file."""
-    import torch
-
-    from .. import ggml
-
-    if w.ndim != 2:
-        return {"type": "F32", "data": w.to(torch.float32).contiguous()}
-    q = qt.resolve_for_row("Q8_0", int(w.shape[1]))
-    if q.name == "F16":
-        return {"type": "F16", "data": w.to(torch.float16).contiguous()}
-    rows, cols = w.shape
-    raw = ggml.lib().quantize(np.ascontiguousarray(w.to(torch.float32).numpy()), "Q8_0", name=name)
-    blocks = np.frombuffer(raw, dtype=_Q8_0_BLOCK).reshape(rows, cols // 32)
-    return {
-        "type": "Q8_0",
-        "d": torch.from_numpy(blocks["d"].copy()),
-        "qs": torch.from_numpy(blocks["qs"].reshape(rows, cols).copy()),
-    }
-
-
-def entry_to_float(entry: dict[str, Any]):
-    """float32 values of a teacher tensor; for Q8_0 exactly ggml's dequantize_row_q8_0."""
-    import torch
-
-    if entry["type"] == "Q8_0":
-        qs, d = entry["qs"], entry["d"]
-        rows, cols = qs.shape
-        w = qs.to(torch.float32).reshape(rows, cols // 32, 32) * d.to(torch.float32).unsqueeze(-1)
-        return w.reshape(rows, cols)
-    if entry["type"] in ("F16", "F32"):
-        return entry["data"].to(torch.float32)
-    raise CorruptFileError(f"unknown teacher tensor type {entry['type']!r}")
-
-
-def load_teacher(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(float32 state dict, header) of a teacher ``.pt`` written by :func:`make_teacher`."""
-    obj = fileio.torch_load(path, what="teacher checkpoint")
-    if not isinstance(obj, dict) or obj.get("format") != TEACHER_FORMAT:
-        raise CorruptFileError(f"{path} is not a voodoo teacher checkpoint ({TEACHER_FORMAT})")
-    sd = {k: entry_to_float(e) for k, e in obj["tensors"].items()}
-    return sd, {k: v for k, v in obj.items() if k != "tensors"}
-
-
-def load_base(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(state dict, header) of a base ``.pt`` written by :func:`make_teacher`."""
-    obj = fileio.torch_load(path, what="base checkpoint")
-    if not isinstance(obj, dict) or obj.get("format") != BASE_FORMAT:
-        raise CorruptFileError(f"{path} is not a voodoo base checkpoint ({BASE_FORMAT})")
-    return obj["state_dict"], {k: v for k, v in obj.items() if k != "state_dict"}
-
-
-# -- reading the source ------------------------------------------------------------------------
-
-def _safetensors_files(d: Path) -> list[Path]:
-    files = sorted(d.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(f"{d} has no *.safetensors files")
-    return files
-
-
-def _expected_keys(cls, text_cfg) -> tuple[set[str], set[str]]:
-    """(state-dict keys of the text model, keys that are tied and may be absent)."""
-    import torch
-
-    with torch.device("meta"):
-        model = cls(text_cfg)
-    keys = set(model.state_dict())
-    tied = {k for k in keys if k.endswith("lm_head.weight")} if getattr(text_cfg, "tie_word_embeddings", False) else set()
-    return keys, tied
-
-
-def _map_key(key: str, expected: set[str], strip_prefix: str | None) -> str | None:
-    """The text model's name for a checkpoint key, or None when it is not part of it.
-
-    A wrapper's ``model.language_model.layers.0...`` stripped of its prefix is the text backbone's
-    ``layers.0...``, which the causal-LM class holds as ``model.layers.0...``.
-    """
-    if strip_prefix and key.startswith(strip_prefix):
-        rest = key[len(strip_prefix):]
-        for cand in (rest, f"model.{rest}"):
-            if cand in expected:
-                return cand
-        return None
-    return key if key in expected else None
-
-
-def iter_hf_dir(d: Path, cls, text_cfg, strip_prefix: str | None) -> Iterator[tuple[str, Any]]:
-    """(text-model name, float32 tensor) of an HF dir, one tensor in memory at a time."""
-    import torch
-    from safetensors import safe_open
-
-    expected, tied = _expected_keys(cls, text_cfg)
-    seen: set[str] = set()
-    for f in _safetensors_files(d):
-        with safe_open(str(f), framework="pt") as st:
-            for key in st.keys():
-                name = _map_key(key, expected, strip_prefix)
-                if name is None or name in tied:
-                    continue
-                seen.add(name)
-                yield name, st.get_tensor(key).to(torch.float32)
-    missing = sorted(expected - seen - tied)
-    if missing:
-        hint = "" if strip_prefix else "; a multimodal wrapper needs --strip_prefix (e.g. model.language_model.)"
-        raise ModelLoadError(f"{d}: {len(missing)} tensor(s) of {cls.__name__} not found, e.g. {missing[:3]}{hint}")
-
-
-def text_state_dict(d: Path, cls, text_cfg, *, strip_prefix: str | None, dtype: Any) -> dict[str, Any]:
-    return {k: v.to(dtype) for k, v in iter_hf_dir(d, cls, text_cfg, strip_prefix)}
 
 
 # -- the command -------------------------------------------------------------------------------
@@ -316,27 +199,3 @@ def save_hf_dir(model, tokenizer, out: Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
-
-
-def module_from_checkpoint(path: str | Path, dtype: Any = None):
-    """The causal LM of a base or teacher ``.pt`` (teacher: its exact Q8_0 values, float32)."""
-    import json
-
-    import torch
-    import transformers
-
-    from ..modeling import model_from_state_dict
-
-    obj = fileio.torch_load(path, what="checkpoint")
-    fmt = obj.get("format") if isinstance(obj, dict) else None
-    if fmt == TEACHER_FORMAT:
-        sd, header = load_teacher(path)
-    elif fmt == BASE_FORMAT:
-        sd, header = load_base(path)
-    else:
-        raise CorruptFileError(f"{path} is neither a voodoo base nor a teacher checkpoint")
-    cls = getattr(transformers, header["model_class"], None)
-    if cls is None:
-        raise CorruptFileError(f"{path}: model class {header['model_class']!r} is not in this transformers")
-    config = cls.config_class.from_dict(json.loads(header["config_json"]))
-    return model_from_state_dict(cls, config, sd, dtype=dtype or torch.float32)

@@ -1,4 +1,5 @@
-"""The training journal (``partial.pt``): everything needed to resume a run bit-for-bit.
+"""The training journal (``partial.pt``): everything needed to resume a run bit-for-bit; and the
+step log (``train_log.jsonl``, one :class:`StepMetrics` per line) that a resumed or finalized run reads back.
 
 Written atomically every ``--partial_save_interval`` steps: gate logits, optimizer state, the
 torch RNG state, the step (which is also the data position: batch order is a pure function of
@@ -74,3 +75,53 @@ def load(path: Path, *, expect_hash: str, expect_names: set[str]) -> JournalStat
     if set(state.gates) != expect_names:
         raise CorruptFileError(f"journal {path} holds gates for other tensors than this model's")
     return state
+
+
+# -- the step log ----------------------------------------------------------------------------
+
+@dataclass
+class StepMetrics:
+    step: int
+    loss: float
+    ce: float
+    kl: float
+    size_penalty: float
+    expected_bytes: float
+    target_bytes: int
+    tau: float
+    gate_entropy: float
+    tokens_per_s: float
+    memory_bytes: int = 0  # peak device memory (CUDA) or peak RSS (CPU) so far
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def read_log(path: Path, upto: int) -> list[StepMetrics]:
+    if upto == 0 or not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            d = json.loads(line)
+        except json.JSONDecodeError:
+            break
+        if d.get("step", 0) <= upto:
+            out.append(StepMetrics(**d))
+    return out
+
+
+def append_log(path: Path, m: StepMetrics, *, truncate: bool) -> None:
+    # On the first step of a (resumed) run, drop log lines past the journal's step.
+    if truncate and path.exists():
+        keep = [ln for ln in path.read_text().splitlines() if _step_of(ln) < m.step]
+        fileio.write_text(path, "".join(k + "\n" for k in keep))
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(m.to_dict()) + "\n")
+
+
+def _step_of(line: str) -> int:
+    try:
+        return int(json.loads(line).get("step", 1 << 30))
+    except (json.JSONDecodeError, AttributeError):
+        return 1 << 30

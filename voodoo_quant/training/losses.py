@@ -91,6 +91,7 @@ def _chunk_terms(h, w, b, th, tw, tb, tgt, head, salt_setter, salt):
     else:  # a routed head draws its routes per chunk: the salt keeps a recompute identical
         salt_setter(salt)
         s = head(h).float()
+        salt_setter(0)  # the backward recompute must not leave its salt to the layers drawn next
     with torch.no_grad():
         t = F.linear(th.to(tw.device), tw, tb).float().to(s.device)
         t_log = F.log_softmax(t, dim=-1)

@@ -59,9 +59,7 @@ def finalize_from_partial(trainer, path: str):
     tau = tau_at(max(0, st.step - 1), cfg.max_steps, cfg.tau_start, cfg.tau_end)
     gates = {n: g.detach().float().cpu() for n, g in st.gates.items()}
     probs = {n: torch.softmax(g / tau, dim=0) for n, g in gates.items()}
-    from .trainer import _read_log
-
-    history = _read_log(cfg.log_path, st.step)
+    history = journal.read_log(cfg.log_path, st.step)
     return trainer.finish(history, resumed_from=st.step, probs=probs, gates=gates)
 
 

@@ -154,7 +154,11 @@ class Router:
 
     def key(self, *parts: str) -> int:
         h = zlib.crc32("\0".join(parts).encode())
-        return (self.seed * 1_000_003 + self.step) * 4_294_967_311 % (1 << 62) ^ h ^ (self.salt << 32)
+        # The salt goes into the low 32 bits: a CPU torch.Generator seeds mt19937 from those alone
+        # (manual_seed(s) and manual_seed(s + (k << 32)) draw the same numbers), so a salt in the
+        # high bits gave every chunk of the LM head the same routes. Salt 0 leaves the key as it was.
+        salt = (self.salt * 0x9E3779B1) & 0xFFFFFFFF
+        return (self.seed * 1_000_003 + self.step) * 4_294_967_311 % (1 << 62) ^ h ^ (self.salt << 32) ^ salt
 
 
 class RoutedModule(nn.Module):

@@ -99,12 +99,19 @@ def tensor_sensitivities(plan, weight: torch.Tensor, blobs: Sequence[bytes], sta
     return out
 
 
-def table_key(plans: Sequence, tokens: torch.Tensor, model: str) -> str:
-    """What a table depends on: model, every tensor's menu and bytes, the calibration tokens."""
+def table_key(plans: Sequence, tokens: torch.Tensor, model: str, *, weights_sha256: str,
+              vectors: Mapping) -> str:
+    """What a table depends on: model, every tensor's menu and bytes, the calibration tokens, the
+    float weights (``provenance`` hash: another --base_checkpoint changes every s) and the
+    imatrix vector each tensor's candidates are quantized with (another imatrix changes them)."""
+    from ..imatrix import vector_hash
+
     h = hashlib.sha256()
     h.update(json.dumps([[p.name, list(p.menu.types), list(p.sizes)] for p in plans]).encode())
     h.update(str(model).encode())
     h.update(tokens.to(torch.int64).contiguous().numpy().tobytes())
+    h.update(weights_sha256.encode())
+    h.update(json.dumps(sorted((str(k), vector_hash(v)) for k, v in vectors.items())).encode())
     return h.hexdigest()[:16]
 
 
@@ -185,7 +192,10 @@ def ensure_table(cfg, base: nn.Module, plans: Sequence, vectors, tokens: torch.T
 
     kind = cfg.sensitivity_kind
     calib = tokens[: cfg.sensitivity_sequences]
-    key = f"{table_key(plans, calib, cfg.model)}-{kind}"
+    from ..provenance import model_weights_sha256
+
+    key = table_key(plans, calib, cfg.model, weights_sha256=model_weights_sha256(base, plans), vectors=vectors or {})
+    key = f"{key}-{kind}"
     path = cfg.out_dir / TABLE_NAME
     stored = load_stored(path, key)
     names = {p.name for p in plans}

@@ -74,7 +74,7 @@ def load_models(cfg: TrainConfig, dtype: torch.dtype) -> tuple[nn.Module, nn.Mod
 def _load_into(model: nn.Module, path: str, what: str) -> None:
     """Load a plain state dict, a make-teacher base (``voodoo-base/1``) or teacher
     (``voodoo-teacher/1``, packed Q8_0) into `model`, checking names and shapes first."""
-    from ..tools.teacher import TEACHER_FORMAT, load_teacher
+    from ..checkpoints import TEACHER_FORMAT, load_teacher
 
     obj = fileio.torch_load(path, what=what)
     if isinstance(obj, dict) and obj.get("format") == TEACHER_FORMAT:
@@ -146,6 +146,7 @@ class RunSetup:
     tp: object | None = None  # parallel.TPContext of a tensor-parallel rank
     tp_plan: object | None = None  # parallel.TPPlan
     tp_sharded: set[str] = field(default_factory=set)  # gated tensors split across ranks
+    provenance: dict = field(default_factory=dict)  # Assignment provenance fields (provenance.run_record)
     held_tokens: torch.Tensor | None = None  # sequences held aside from training (guarantee, search)
     references: object | None = None  # guarantee.References: the free assignments to beat
     extra_blobs: dict[tuple[str, str], bytes] = field(default_factory=dict)  # (tensor, off-menu type) -> bytes

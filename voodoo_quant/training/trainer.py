@@ -18,14 +18,14 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch.nn.utils import parametrize
 
-from .. import faults, fileio
+from .. import faults, fileio, provenance
 from ..assignment import Assignment, TensorChoice
 from ..budget import size_penalty
 from ..errors import ConfigError
 from . import journal, methods, routing
+from .journal import StepMetrics, append_log as _append_log, read_log as _read_log
 from .bake import BakeResult, bake
 from .losses import distill_terms
 from .config import TrainConfig
@@ -37,24 +37,6 @@ from .setup import (
 
 log = logging.getLogger(__name__)
 LOG_NAME = "train_log.jsonl"
-
-
-@dataclass
-class StepMetrics:
-    step: int
-    loss: float
-    ce: float
-    kl: float
-    size_penalty: float
-    expected_bytes: float
-    target_bytes: int
-    tau: float
-    gate_entropy: float
-    tokens_per_s: float
-    memory_bytes: int = 0  # peak device memory (CUDA) or peak RSS (CPU) so far
-
-    def to_dict(self) -> dict:
-        return dict(self.__dict__)
 
 
 @dataclass
@@ -85,17 +67,6 @@ def check_scale_flags(cfg: TrainConfig) -> None:
         if cfg.method != "gates" or cfg.finalize_from_partial:
             raise ConfigError("--method sensitivity and --finalize_from_partial train nothing: run them without "
                               "--tensor_parallel")
-
-
-def distill_losses(s_logits: torch.Tensor, t_logits: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(CE on next tokens, KL(teacher‖student) per token), both means over predicted positions."""
-    s = s_logits[:, :-1].float().reshape(-1, s_logits.shape[-1])
-    t = t_logits[:, :-1].float().reshape(-1, t_logits.shape[-1])
-    ce = F.cross_entropy(s, ids[:, 1:].reshape(-1))
-    s_log = F.log_softmax(s, dim=-1)
-    t_log = F.log_softmax(t, dim=-1)
-    kl = (t_log.exp() * (t_log - s_log)).sum(-1).mean()
-    return ce, kl
 
 
 class Trainer:
@@ -143,6 +114,7 @@ class Trainer:
         self.run = RunSetup(cfg, adapter, base, teacher, tokens, plans, budget, mixed, {}, device, dtype,
                             teacher_device=resolve_device(cfg.teacher_device) if cfg.teacher_device else device,
                             tp=tp, tp_plan=tp_plan)
+        self.run.provenance = provenance.run_record(cfg, plans, base, getattr(imx, "sha256", None))  # before any cast
         if build and cfg.method == "gates" and tp is None:
             self.run.tokens, self.run.held_tokens = hold_aside(tokens, cfg.search_sequences)
         if cfg.needs_sensitivity:
@@ -393,8 +365,8 @@ class Trainer:
             )
         final = history[-1].to_dict() if history else {}
         asg = Assignment(
-            tensors=tensors, model=str(cfg.model), imatrix=cfg.imatrix, imatrix_sha256=run.imatrix_info.get("sha256"),
-            target_bytes=run.budget.target_bytes,
+            tensors=tensors, model=str(cfg.model), target_bytes=run.budget.target_bytes,
+            **run.provenance,  # imatrix + sha256, base weights hash, libggml, menus (provenance.py)
             meta={
                 "q8_0_bytes": run.budget.q8_bytes, "min_bytes": run.budget.min_bytes, "max_bytes": run.budget.max_bytes,
                 "train_target_bytes": run.budget.train_target_bytes, "tolerance": run.budget.tolerance,
@@ -508,33 +480,3 @@ def check_space(cfg: TrainConfig, plans) -> None:
     out_need = (1 << 20) + 64 * n_gates  # journal (gates + Adam moments) + result .pt + JSON
     fileio.ensure_free_space(default_root(), cache_need, what="the candidate cache")
     fileio.ensure_free_space(cfg.out_dir, out_need, what="the journal and the outputs")
-
-
-def _read_log(path: Path, upto: int) -> list[StepMetrics]:
-    if upto == 0 or not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            d = json.loads(line)
-        except json.JSONDecodeError:
-            break
-        if d.get("step", 0) <= upto:
-            out.append(StepMetrics(**d))
-    return out
-
-
-def _append_log(path: Path, m: StepMetrics, *, truncate: bool) -> None:
-    # On the first step of a (resumed) run, drop log lines past the journal's step.
-    if truncate and path.exists():
-        keep = [ln for ln in path.read_text().splitlines() if _step_of(ln) < m.step]
-        fileio.write_text(path, "".join(k + "\n" for k in keep))
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps(m.to_dict()) + "\n")
-
-
-def _step_of(line: str) -> int:
-    try:
-        return int(json.loads(line).get("step", 1 << 30))
-    except (json.JSONDecodeError, AttributeError):
-        return 1 << 30
