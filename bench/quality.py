@@ -96,7 +96,7 @@ class QualityConfig:
         bad = [s for s in self.stock if s not in qt.LLAMA_FTYPES]
         if bad:
             raise SystemExit(f"--stock: unknown llama-quantize recipe(s) {', '.join(bad)}; known: {', '.join(qt.LLAMA_FTYPES)}")
-        self.stock = tuple(dict.fromkeys([*self.stock, FLOOR]))  # the floor is always measured
+        self.stock = tuple(dict.fromkeys([FLOOR, *self.stock]))  # the floor is always measured, first
         self.menu = tuple(qt.get(t).name for t in self.menu)
         for flag, v in (("--steps", self.steps), ("--seq_len", self.seq_len), ("--eval_chunks", self.eval_chunks),
                         ("--calib_chunks", self.calib_chunks)):
@@ -348,21 +348,34 @@ class QualityBench:
         self.make_texts()
         self.make_imatrix()
         self.make_stock()
-        files: list[tuple[Path, str, int | None, int | None]] = [(self.stock_file(q), "stock", None, None) for q in cfg.stock]
-        files += [(self.pure_file(q), "uniform", None, None) for q in cfg.pure]
-        for method in cfg.methods:
-            for size in cfg.sizes:
-                for seed in cfg.seeds_for(method, size):
-                    files.append((self.make_method(method, size, seed), method, size, seed))
         base, base_info = self.eval_base()
-        rows = []
-        for f, method, size, seed in files:
+        rows: list[dict[str, Any]] = []
+
+        def add(f: Path, method: str, size: int | None, seed: int | None) -> None:
             row = self.eval_file(f, base, base_info)
             extra = {}
             if method in METHODS:
                 meta = json.loads((self.run_dir(method, size, seed or 0) / "assignment.json").read_text())["meta"]
                 extra = {"guarantee": meta.get("guarantee"), "train_s": self.timings.get(f"train-{method}{size}-seed{seed or 0}")}
             rows.append({**row, "method": method, "size_percent": size, "seed": seed, **extra})
+            self.write(rows, base_info)  # after every file: a stopped bench still reports what it measured
+
+        for q in cfg.stock:
+            add(self.stock_file(q), "stock", None, None)
+        for q in cfg.pure:
+            add(self.pure_file(q), "uniform", None, None)
+        # Size by size (in the order given), every method, the first seed; then the other seeds: a
+        # bench stopped early still compares every method at the sizes it reached.
+        for first in (True, False):
+            for size in cfg.sizes:
+                for method in cfg.methods:
+                    seeds = cfg.seeds_for(method, size)
+                    for seed in (seeds[:1] if first else seeds[1:]):
+                        add(self.make_method(method, size, seed), method, size, seed)
+        return self.write(rows, base_info)
+
+    def write(self, rows: list[dict[str, Any]], base_info: dict[str, Any]) -> dict[str, Any]:
+        cfg = self.cfg
         result = {
             "command": self.command,
             "setup": {"model": MODEL_NAME, **asdict(cfg) | {"out": str(cfg.out)}, "menu": list(cfg.menu),

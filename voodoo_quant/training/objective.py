@@ -8,10 +8,10 @@ recipe's, a knapsack's) can be compared on it before anything is written.
 ``HeldAside`` runs the teacher once over the held-aside sequences and keeps what later
 measurements need (its final hidden states where the LM head is a plain Linear, else its
 log-probabilities), then measures any served assignment with one no-grad student forward, the
-head applied in token chunks. ``probe`` runs one forward + backward with every tensor serving its
-current candidate through a one-hot mixture: the gradient w.r.t. the mixture weights,
-``∂KL/∂p_tj = ⟨∂KL/∂W_t, W_tj⟩``, predicts to first order what moving tensor t to any rung j
-would change (``g_tj − g_tk``), for every tensor and rung at once. The search ranks its moves by it.
+head applied in token chunks. ``probe`` runs one forward + backward of the served assignment: the
+gradient G_t w.r.t. each served weight predicts to first order what moving tensor t from rung k to
+a neighbouring rung j would change, ``⟨G_t, W_tj − W_tk⟩`` (the derivative of the one-hot mixture
+``Σ p_j W_tj`` in the direction of rung j), for every tensor at once. The search ranks its moves by it.
 
 Two exact shortcuts keep a search's many measurements cheap: the teacher's log-probabilities are
 kept when they fit in ``TEACHER_CACHE_BYTES`` (else its head is re-applied to its cached hidden
@@ -215,24 +215,34 @@ class HeldAside:
             self._layers[j] = t.inner
 
     def probe(self, rungs: Mapping[str, "Rungs"], current: Mapping[str, int]) -> dict[str, list[float]]:
-        """∂KL/∂p for every rung of every tensor at the one-hot mixture of `current` (tensor ->
-        rung index). Returns tensor -> [gradient per rung]; the served weights are unchanged."""
-        probes: dict[str, torch.Tensor] = {}
+        """First-order ΔKL of moving each tensor one rung: ``⟨∂KL/∂W_t, W_tj − W_tk⟩`` for the
+        neighbours j = k ± 1 of its current rung k (0 at k, NaN for rungs further away), from one
+        forward + backward of the served assignment. The differences are summed in float64 (the
+        two inner products they come from are nearly equal)."""
+        leaves: dict[str, torch.Tensor] = {}
         try:
             for n, r in rungs.items():
-                p = torch.zeros(len(r.types), dtype=torch.float32, device=r.mq.gates.device)
-                p[current[n]] = 1.0
-                probes[n] = p.requires_grad_(True)
-                r.mq.override = (probes[n], r.get, len(r.types))
+                w = r.get(current[n]).detach().requires_grad_(True)
+                leaves[n] = w
+                r.mq.override = (None, (lambda _k, w=w: w), 1)
             n_seq = self.tokens.shape[0]
             self._pending = None
             for i, ids in enumerate(self._batches()):
                 with parametrize.cached():
                     (self._kl_rows(ids.to(self.device), i).sum() / n_seq).backward()
+            out: dict[str, list[float]] = {}
+            for n, r in rungs.items():
+                k = current[n]
+                g = leaves[n].grad
+                row = [float("nan")] * len(r.types)
+                row[k] = 0.0
+                for j in (k - 1, k + 1):
+                    if 0 <= j < len(r.types):
+                        row[j] = 0.0 if g is None else float((g.double() * (r.get(j).double() - leaves[n].detach().double())).sum())
+                out[n] = row
+            return out
         finally:
             serve(rungs, current)
-        return {n: [float(x) for x in (p.grad if p.grad is not None else torch.zeros_like(p)).cpu()]
-                for n, p in probes.items()}
 
 
 def _decoder_layers(model: nn.Module) -> nn.ModuleList | None:
