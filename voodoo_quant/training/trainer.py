@@ -32,6 +32,7 @@ from .config import TrainConfig
 from .schedule import batch_indices, tau_at
 from .setup import (
     TORCH_DTYPES, RunSetup, plan_shard, build_student, imatrix_vectors, load_imatrix, load_models, load_tokens, plan_run, tiny,
+    sensitivity_model, shard_teacher,
 )
 
 log = logging.getLogger(__name__)
@@ -126,7 +127,8 @@ class Trainer:
             fileio.ensure_writable(cfg.out_dir)  # before minutes of loading and quantizing
         need_tokens = build or cfg.needs_sensitivity
         tokens = load_tokens(cfg.data_path, cfg.seq_len) if need_tokens else torch.empty(0, 0, dtype=torch.long)
-        base, teacher = load_models(cfg, dtype)
+        # a tensor-parallel rank reads only its shards (training/setup.py load_models)
+        base, teacher = load_models(cfg, dtype, sharded=tp is not None and build and cfg.method == "gates")
         if build:
             check_vocab(tokens, base, cfg.data_path)
         imx = load_imatrix(cfg)
@@ -145,7 +147,8 @@ class Trainer:
             from .sensitivity import ensure_table
 
             with _main_first(tp):  # rank 0 computes and saves the table; the others load it
-                self.run.sensitivity = ensure_table(cfg, base, plans, vectors, tokens, progress=self.progress)
+                self.run.sensitivity = ensure_table(cfg, sensitivity_model(cfg, base, tp), plans, vectors, tokens,
+                                                    progress=self.progress)
         if build and cfg.method == "gates":
             check_space(cfg, plans)
             init = methods.warm_start_logits(self.run) if cfg.warm_start else None
@@ -156,7 +159,7 @@ class Trainer:
                 from ..parallel import apply_tp
 
                 apply_tp(base, tp_plan, tp, gated=mixed)
-                apply_tp(teacher, tp_plan, tp)
+                shard_teacher(teacher, tp_plan, tp)
                 self.run.tp_sharded = {p.name for p in plans if plan_shard(tp_plan, p) is not None}
             teacher.to(self.run.teacher_device)
             if len(devices) > 1 or cfg.device_map:
