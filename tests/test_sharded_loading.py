@@ -73,15 +73,15 @@ def test_reader_shards_equal_slices_of_the_whole_tensor(qwen35_dir):
             assert torch.equal(got, sh.take(full[name], r, 2)), (name, r)
 
 
-@pytest.mark.parametrize("arch,teacher_quant", [("qwen3_5", "Q8_0"), ("qwen3", None)])
-def test_sharded_teacher_equals_the_split_whole_teacher(qwen35_dir, tmp_path, arch, teacher_quant, ggml_lib):
-    from voodoo_quant.training.setup import load_models, plan_run, shard_teacher
+@pytest.mark.parametrize("arch,teacher_quant,dtype", [("qwen3_5", "Q8_0", "bfloat16"), ("qwen3", None, "float32")])
+def test_sharded_teacher_equals_the_split_whole_teacher(qwen35_dir, tmp_path, arch, teacher_quant, dtype, ggml_lib):
+    from voodoo_quant.training.setup import TORCH_DTYPES, load_models, plan_run, shard_teacher
 
-    cfg = _cfg(qwen35_dir[arch], tmp_path, teacher_quant=teacher_quant)
+    cfg = _cfg(qwen35_dir[arch], tmp_path, teacher_quant=teacher_quant, dtype=dtype)
     for rank in range(2):
         tp = TPContext(rank, 2)
-        _, whole = load_models(cfg, torch.float32)
-        base, sk = load_models(cfg, torch.float32, sharded=True)
+        _, whole = load_models(cfg, TORCH_DTYPES[dtype])
+        base, sk = load_models(cfg, TORCH_DTYPES[dtype], sharded=True)
         _, plans, _ = plan_run(cfg, base)
         tp_plan = plan_tp(base, __import__("voodoo_quant.arch", fromlist=["adapter_for"]).adapter_for(base.config), 2, plans)
         apply_tp(whole, tp_plan, tp)

@@ -93,6 +93,7 @@ def _skeletons(cfg: TrainConfig) -> tuple[nn.Module, nn.Module]:
     tsrc = cfg.teacher_checkpoint or cfg.base_checkpoint
     teacher.voodoo_reader = WeightReader(cfg.model, teacher, checkpoint=tsrc)
     teacher.voodoo_q8 = cfg.teacher_quant == "Q8_0" and not cfg.teacher_checkpoint
+    teacher.voodoo_dtype = TORCH_DTYPES[cfg.dtype]  # each shard is cast as it is read
     return base, teacher
 
 
@@ -148,7 +149,9 @@ def shard_teacher(teacher: nn.Module, tp_plan, tp) -> None:
             return sh.take(_q8(reader.get(name, shape), name), tp.rank, tp.world)
         return reader.get_shard(name, sh.dim, sh.bounds(tp.rank, tp.world), shape)
 
-    _materialize(teacher, meta_names(teacher), read)
+    dtype = getattr(teacher, "voodoo_dtype", torch.float32)
+    _materialize(teacher, meta_names(teacher), lambda n: read(n).to(dtype))
+    teacher.to(dtype)  # its float buffers too, as the whole-model path's teacher.to(dtype) does
     # every split tensor is already this rank's part: apply_tp only adds the collectives
     apply_tp(teacher, tp_plan, tp, gated=set(tp_plan.params))
     del teacher.voodoo_reader
