@@ -345,13 +345,18 @@ def _advice(cfg, mp: MemoryPlan, capacity, replan) -> list[str]:
         options.append((f"--tensor_parallel {2 * mp.world} (--nproc {2 * mp.world})", {"__world": 2 * mp.world}))
     elif not cfg.teacher_device and str(cfg.device).startswith("cuda"):
         options.append(("--teacher_device cpu", {"teacher_device": "cpu"}))
-    single = []
+    from .errors import ConfigError
+
+    single, out = [], []
     for flag, change in options:
-        single.append((replan(change).device_total, flag, change))
-    out = [f"{flag}: {total / GB:.1f} GB" + (" (fits)" if total <= limit else "") for total, flag, _ in single]
+        try:
+            single.append((replan(change).device_total, flag, change))
+        except ConfigError as e:  # e.g. a degree the heads do not split into
+            out.append(f"{flag}: not possible ({str(e).splitlines()[0]})")
+    out = [f"{flag}: {total / GB:.1f} GB" + (" (fits)" if total <= limit else "") for total, flag, _ in single] + out
     if any(total <= limit for total, _, _ in single):
         return out
-    chosen, merged = [], {}
+    chosen, merged, t = [], {}, mp.device_total
     for total, flag, change in sorted(single, key=lambda t: t[0]):
         merged.update(change)
         chosen.append(flag)

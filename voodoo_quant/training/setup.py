@@ -287,6 +287,14 @@ def build_student(
         _materialize(base, [n for n in meta_names(base) if n not in planned],
                      lambda n: reader.get(n, tuple(params[n].shape) if n in params else None))
         del base.voodoo_reader
+    owned: dict[int, tuple] = {}  # own copies (tied ones once): a tensor left on a
+    for mod in base.modules():  # from_pretrained mmap keeps the whole checkpoint file resident
+        for k, t in list(mod._parameters.items()) + list(mod._buffers.items()):
+            if t is not None and t.device.type == "cpu" and t.numel():
+                if id(t) not in owned:  # the original is kept alive in the entry, so ids stay unique
+                    owned[id(t)] = (t, _own(t))
+                new = owned[id(t)][1]
+                (mod._parameters if k in mod._parameters else mod._buffers)[k] = new
     base.to(device=device, dtype=dtype)
     target_bpw = budget.bpw(budget.train_target_bytes)
     mixed = {
@@ -299,6 +307,11 @@ def build_student(
     }
     attach_all(base, plans, mixed)
     return mixed
+
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    c = t.detach().clone()
+    return nn.Parameter(c, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else c
 
 
 class _ReaderWeights:
