@@ -14,7 +14,7 @@
 #   bash bench/gpu_check.sh                # on the GPU machine, from the repo root
 #
 # .gpu/ holds wheels (cffi, pycparser, gguf; cp312), a trimmed llama.cpp source (ggml, gguf-py,
-# the converter) as a tarball, and the SmolLM2 GGUF split in parts under 32 MB (the device tool
+# the converter) as a tarball, and the SmolLM2 GGUF split in three parts of at most 34 MiB (the device tool
 # carries 64 MiB a call: carry .gpu/a in one call, .gpu/b in the next, ...; parts already on the
 # machine stay). Anything missing is reported and its step skipped, never faked.
 #
@@ -28,13 +28,15 @@ RES=${OUT:-runs/gpu_check}
 DEVICE=${DEVICE:-cuda}
 SEQ=${SEQ:-2048}
 STEPS=${STEPS:-6}
-GPU=$ROOT/.gpu
+GPU=${GPU_DIR:-$ROOT/.gpu}   # GPU_DIR: pack elsewhere (e.g. to inspect it)
 say() { printf '\n== %s (t=%ss)\n' "$*" "$SECONDS"; }
 
 prepare() {
   set -e
   mkdir -p "$GPU/a/whl" "$GPU/b" "$GPU/c" "$GPU/d"
-  ex=$(git rev-parse --git-path info/exclude); grep -qx "/.gpu/" "$ex" 2>/dev/null || echo "/.gpu/" >> "$ex"
+  if [ "$GPU" = "$ROOT/.gpu" ]; then
+    ex=$(git rev-parse --git-path info/exclude); grep -qx "/.gpu/" "$ex" 2>/dev/null || echo "/.gpu/" >> "$ex"
+  fi
   "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$GPU/a/whl" cffi pycparser gguf
   local src
@@ -43,7 +45,7 @@ prepare() {
     ggml gguf-py conversion convert_hf_to_gguf.py
   local gguf
   gguf=$("$PY" -c "from voodoo_quant.tools.embedded import smollm2_gguf_path as p; print(p())")
-  (cd "$GPU" && split -b 31m -d "$gguf" smollm2.part)
+  (cd "$GPU" && split -b 34m -d "$gguf" smollm2.part)
   local i=0
   for part in "$GPU"/smollm2.part*; do
     mv "$part" "$GPU/$(printf '%s' b c d | cut -c$((i + 1)))/"; i=$((i + 1))
@@ -70,7 +72,9 @@ fi
 if [ -z "${VOODOO_GGML_LIB:-}" ] && ! ls third_party/llama.cpp/build/bin/libggml-base.* >/dev/null 2>&1; then
   if [ -f "$GPU/a/llama.cpp.tar.xz" ]; then
     LL=/tmp/llama.cpp; mkdir -p $LL && tar -C $LL -xJf "$GPU/a/llama.cpp.tar.xz"
+    touch $LL/ggml/ggml.pc.in  # ggml configured standalone wants it; only `install` uses it
     cmake -S $LL/ggml -B $LL/build -DGGML_CUDA=OFF -DGGML_NATIVE=OFF -DBUILD_SHARED_LIBS=ON \
+      -DGGML_BUILD_TESTS=OFF -DGGML_BUILD_EXAMPLES=OFF \
       -DCMAKE_BUILD_TYPE=Release >"$RES/cmake.log" 2>&1 \
       && cmake --build $LL/build --target ggml-base -j "${JOBS:-16}" >>"$RES/cmake.log" 2>&1 \
       || { echo "libggml-base build failed: tail $RES/cmake.log"; tail -5 "$RES/cmake.log"; }
