@@ -175,8 +175,11 @@ class CandidateCache:
                 f"{len(data)} bytes for a {key.qtype} tensor of shape {key.shape}, expected {key.nbytes}"
             )
         d = self.entry_dir(key)
-        # meta.json goes last: a crash between the two leaves an entry without meta = a miss.
-        (d / META_FILE).unlink(missing_ok=True)
+        # data.bin, then meta.json, each by atomic rename. A key fixes its bytes (same matrix, type,
+        # imatrix and libggml), so two processes writing one entry write the same files and a
+        # reader sees a whole entry or none; a crash between the two leaves no meta (a miss) or a
+        # meta that still describes the bytes (its sha256 is checked on read). meta.json is not
+        # removed first: that would make an intact entry vanish under a concurrent reader.
         fileio.write_bytes(d / DATA_FILE, data)
         record = {
             **(meta or {}),

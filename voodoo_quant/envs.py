@@ -27,6 +27,8 @@ VARIABLES: tuple[EnvVar, ...] = (
     EnvVar("VOODOO_CACHE_DIR", "root of caches (candidates, llama.cpp build); default ~/.cache/voodoo_quant"),
     EnvVar("VOODOO_QUANT_WORKERS", "threads/processes for ggml quantization; default: CPU count"),
     EnvVar("VOODOO_FINALIZE_WORKERS", "workers for bake/export quantization; default: VOODOO_QUANT_WORKERS"),
+    EnvVar("VOODOO_DEVICE_MEMORY_GB", "memory of one device for the --dry_run fit check; default: the GPU's, "
+           "else 32 (the reference recipe's cards) for --device cuda"),
     EnvVar("VOODOO_TINY_RECIPE", "1 shrinks every run (steps, sequences) for fast tests", "0"),
     EnvVar("VOODOO_FAULT_AT", "tests only: SIGKILL the process at a named point, e.g. step:3, bake, "
            "write:partial.pt:2, export:tensor:5 (the n-th hit, default 1); never set it otherwise"),
@@ -82,6 +84,19 @@ def quant_workers(env: Mapping[str, str] | None = None) -> int:
 
 def finalize_workers(env: Mapping[str, str] | None = None) -> int:
     return _positive_int("VOODOO_FINALIZE_WORKERS", env, lambda: quant_workers(env))
+
+
+def device_memory_gb(env: Mapping[str, str] | None = None) -> float | None:
+    raw = _get("VOODOO_DEVICE_MEMORY_GB", env)
+    if raw is None:
+        return None
+    try:
+        v = float(raw)
+    except ValueError:
+        v = -1.0
+    if v <= 0:
+        raise EnvironmentVarError(f"VOODOO_DEVICE_MEMORY_GB={raw!r} must be a positive number of GB")
+    return v
 
 
 def tiny_recipe(env: Mapping[str, str] | None = None) -> bool:

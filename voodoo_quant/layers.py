@@ -52,6 +52,11 @@ class _Mix(torch.autograd.Function):
         return grads.to(p.dtype), None, None, None
 
 
+def _device_of(candidates) -> torch.device:
+    dev = getattr(candidates, "device", None)
+    return torch.device(dev) if dev is not None else torch.device("cpu")
+
+
 class MixedQuant(nn.Module):
     """Gates over K candidates of one tensor; a parametrization of a layer's ``weight``.
 
@@ -62,6 +67,9 @@ class MixedQuant(nn.Module):
         candidates: a (K, *shape) tensor (eager), or a callable k -> tensor (lazy).
         shape: the weight's shape.
         dtype: the dtype of the produced weight (training dtype).
+        device: where the gates and byte sizes live; default: the candidates' device (a tensor's,
+            or a lazy source's ``.device``), else the CPU. It must be where the weight is used:
+            autograd refuses a gate gradient on another device than the gate.
     """
 
     def __init__(
@@ -73,6 +81,7 @@ class MixedQuant(nn.Module):
         shape: Sequence[int],
         dtype: torch.dtype = torch.float32,
         init_logits: torch.Tensor | None = None,
+        device: torch.device | str | None = None,
     ):
         super().__init__()
         if len(menu) != len(nbytes) or not menu:
@@ -81,7 +90,9 @@ class MixedQuant(nn.Module):
         self.menu = tuple(menu)
         self.shape = tuple(int(s) for s in shape)
         self.dtype = dtype
-        self.register_buffer("nbytes", torch.tensor([float(b) for b in nbytes], dtype=torch.float64), persistent=False)
+        device = torch.device(device) if device is not None else _device_of(candidates)
+        self.register_buffer("nbytes", torch.tensor([float(b) for b in nbytes], dtype=torch.float64, device=device),
+                             persistent=False)
         if callable(candidates):
             self._get: CandidateFn = candidates
             self.stacked = None
@@ -91,7 +102,7 @@ class MixedQuant(nn.Module):
             self.register_buffer("stacked", candidates, persistent=False)
             self._get = lambda k: self.stacked[k]
         init = torch.zeros(len(menu)) if init_logits is None else init_logits.detach().float().clone()
-        self.gates = nn.Parameter(init)
+        self.gates = nn.Parameter(init.to(device))
         self.tau = 1.0
         self.baked: int | None = None
         # (p, get, k): serve a mixture of external rungs (or, with p None, get(0) exactly) instead

@@ -189,38 +189,77 @@ def build_all(
 
 
 def _run_pool(todo, cache: CandidateCache, pool: QuantPool | None, n_workers: int, bar: "_Progress") -> int:
+    """Run `todo` on the pool, a tensor at a time: a tensor's matrix is written once to a ``.npy``
+    hand-off file, all its types are submitted, and at most ``2 × workers`` such files exist at
+    once, so the scratch disk holds a few matrices, not the model (27B: 108 GB in float32)."""
     own = pool is None
     if own:
         pool = QuantPool(n_workers, {j.qtype for _, _, j, _ in todo})
     tmp = Path(tempfile.mkdtemp(prefix=".precache-", dir=_mkdir(cache.root)))
-    remaining: dict[str, int] = {}
-    for _, name, _, _ in todo:
-        remaining[name] = remaining.get(name, 0) + 1
+    by_name: dict[str, list] = {}
+    for item in todo:  # slowest job first, so tensors are taken in order of their slowest job
+        by_name.setdefault(item[1], []).append(item)
+    remaining = {name: len(items) for name, items in by_name.items()}
+    limit = 2 * pool.workers
     files: dict[str, Path] = {}
     bytes_built = 0
+    pending: dict[Future, tuple[float, str]] = {}
+
+    def collect() -> None:
+        nonlocal bytes_built
+        done, _ = wait(pending, return_when=FIRST_COMPLETED)
+        for f in done:
+            cost, name = pending.pop(f)
+            nbytes, _secs = f.result()  # re-raises a worker's typed error
+            bytes_built += nbytes
+            bar.advance(cost, nbytes)
+            remaining[name] -= 1
+            if remaining[name] == 0:
+                files.pop(name).unlink(missing_ok=True)
+
     try:
-        pending: dict[Future, tuple[float, str]] = {}
-        for cost, name, j, k in todo:
-            if name not in files:
-                files[name] = tmp / f"{len(files)}.npy"
-                np.save(files[name], j.load())
-            f = pool.submit(_worker_build, str(cache.root), str(files[name]), k, j.imatrix, name, pool.lib_path)
-            pending[f] = (cost, name)
+        for i, (name, items) in enumerate(by_name.items()):
+            while len(files) >= limit:
+                collect()
+            files[name] = tmp / f"{i}.npy"
+            np.save(files[name], items[0][2].load())
+            for cost, _n, j, k in items:
+                f = pool.submit(_worker_build, str(cache.root), str(files[name]), k, j.imatrix, name, pool.lib_path)
+                pending[f] = (cost, name)
         while pending:
-            done, _ = wait(pending, return_when=FIRST_COMPLETED)
-            for f in done:
-                cost, name = pending.pop(f)
-                nbytes, _secs = f.result()  # re-raises a worker's typed error
-                bytes_built += nbytes
-                bar.advance(cost, nbytes)
-                remaining[name] -= 1
-                if remaining[name] == 0:
-                    files[name].unlink(missing_ok=True)
+            collect()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         if own:
             pool.close()
     return bytes_built
+
+
+def parse_shard(spec: str | None) -> tuple[int, int] | None:
+    """``"i/n"`` (1 <= i <= n) -> (i, n); None for None."""
+    if spec is None:
+        return None
+    try:
+        i, n = (int(x) for x in str(spec).split("/"))
+    except ValueError:
+        raise ConfigError(f"--shard {spec!r}: expected i/n, e.g. 1/4") from None
+    if n < 1 or not 1 <= i <= n:
+        raise ConfigError(f"--shard {spec}: need 1 <= i <= n")
+    return i, n
+
+
+def split_by_cost(costs: dict[str, float], index: int, count: int) -> set[str]:
+    """The keys of shard `index` (1-based) of `count`: keys dealt largest first to the least-loaded
+    shard (ties to the lowest shard, keys in sorted order), so every key is in exactly one shard,
+    the shards' costs are balanced, and every process computes the same split on its own."""
+    load = [0.0] * count
+    mine: set[str] = set()
+    for key in sorted(costs, key=lambda k: (-costs[k], k)):
+        s = min(range(count), key=lambda j: (load[j], j))
+        load[s] += costs[key]
+        if s == index - 1:
+            mine.add(key)
+    return mine
 
 
 def _mkdir(p: Path) -> Path:

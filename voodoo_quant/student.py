@@ -206,6 +206,10 @@ class PackedCandidates:
     def nbytes(self) -> int:
         return sum(p.numel() for p in self.packed)
 
+    @property
+    def device(self) -> torch.device:
+        return self.packed[0].device
+
 
 @dataclass
 class ShardedPacked:
@@ -242,6 +246,10 @@ class ShardedPacked:
     @property
     def nbytes(self) -> int:
         return sum(p.numel() for p in self.packed)
+
+    @property
+    def device(self) -> torch.device:
+        return self.packed[0].device
 
     @classmethod
     def build(cls, plan: TensorPlan, blobs: Sequence[bytes], shard, rank: int, world: int,
@@ -362,7 +370,7 @@ def build_mixed(
     if shard is not None and lazy:
         cands_fn = ShardedPacked.build(plan, blobs, shard, rank, world, device, dtype)
         return MixedQuant(plan.name, plan.menu.types, plan.sizes, cands_fn, cands_fn.shape, dtype=dtype,
-                          init_logits=init_logits)
+                          init_logits=init_logits, device=device)
     if shard is not None:
         lib = ggml.lib()
         dense = [
@@ -372,7 +380,7 @@ def build_mixed(
         ]
         cands = torch.stack(dense).to(device=device, dtype=dtype)
         return MixedQuant(plan.name, plan.menu.types, plan.sizes, cands, tuple(dense[0].shape), dtype=dtype,
-                          init_logits=init_logits)
+                          init_logits=init_logits, device=device)
     if lazy:
         packed = [torch.frombuffer(bytearray(b), dtype=torch.uint8).to(device) for b in blobs]
         cands: torch.Tensor | PackedCandidates = PackedCandidates(plan, packed, dtype)
@@ -383,7 +391,8 @@ def build_mixed(
             for b, t in zip(blobs, plan.menu.types)
         ]
         cands = torch.stack(dense).to(device=device, dtype=dtype)
-    return MixedQuant(plan.name, plan.menu.types, plan.sizes, cands, plan.shape, dtype=dtype, init_logits=init_logits)
+    return MixedQuant(plan.name, plan.menu.types, plan.sizes, cands, plan.shape, dtype=dtype, init_logits=init_logits,
+                      device=device)
 
 
 def attach_all(model: nn.Module, plans: Sequence[TensorPlan], mixed: Mapping[str, MixedQuant]) -> None:

@@ -21,14 +21,16 @@ def register(app: typer.Typer) -> None:
         non_attention_candidates: Optional[str] = typer.Option(None, "--non_attention_candidates", help="Menu of every other tensor."),
         imatrix: Optional[str] = typer.Option(None, "--imatrix", help="llama.cpp imatrix (GGUF or legacy .dat)."),
         workers: Optional[int] = typer.Option(None, "--workers", help="Worker processes (default VOODOO_QUANT_WORKERS, else all cores)."),
+        shard: Optional[str] = typer.Option(None, "--shard", help="i/n: build only part i of n (1-based) of the tensors, balanced by cost; n processes or hosts sharing one cache directory (VOODOO_CACHE_DIR) fill it together."),
     ) -> None:
         """Build the candidate cache for a model and its menus ahead of training."""
         from ..tools.precache import PrecacheConfig, precache as run
 
         cfg = PrecacheConfig(model, base_checkpoint, text_model_class, candidate_types, attention_candidates,
-                             non_attention_candidates, imatrix, workers)
+                             non_attention_candidates, imatrix, workers, shard)
         rep = run(cfg)
+        part = f"shard {shard}: " if shard else ""
         console.print(
-            f"candidates: {rep.cached + rep.built} ({rep.cached} already cached, {rep.built} built, "
+            f"{part}candidates: {rep.cached + rep.built} ({rep.cached} already cached, {rep.built} built, "
             f"{rep.bytes_built / 1e6:,.1f} MB written) in {rep.seconds:.1f} s"
         )

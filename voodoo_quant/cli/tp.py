@@ -47,6 +47,14 @@ def register(app: typer.Typer) -> None:
 
         args = list(ctx.args)
         cfg = parse_train_flags(args)
+        if cfg.dry_run:  # the plan of every rank, from the config alone: nothing is launched
+            from ..memory import dry_run
+            from ..training.report import print_dry_run
+            from .common import console
+
+            check_inputs(cfg, nproc, dry_run=True)
+            print_dry_run(console, dry_run(cfg, world=nproc))
+            return
         check_inputs(cfg, nproc)
         launch = plan_launch(args, nproc)
         for k, v in launch.applied.items():

@@ -91,19 +91,21 @@ def register(app: typer.Typer) -> None:
         """Train the gates under the size budget, bake, and write the assignment."""
         from ..training.report import print_dry_run, print_result, progress_reporter
         from ..parallel import launched_rank, shutdown
+        from ..training.setup import tiny
         from ..training.trainer import Trainer
 
         cfg = build_config(**{k: v for k, v in locals().items() if k in _FIELDS})
         try:
+            if dry_run:  # from the config alone: no weights, no tokens file, no process group
+                from ..memory import dry_run as plan_dry_run
+
+                if launched_rank() == 0:
+                    print_dry_run(console, plan_dry_run(tiny(cfg)))
+                return
             if cfg.tensor_parallel > 1 and launched_rank() > 0:  # rank 0 reports and writes; the others compute
-                rank = Trainer(cfg)
-                rank.prepare(build=False) if dry_run else rank.train()
+                Trainer(cfg).train()
                 return
             trainer = Trainer(cfg, progress=True)
-            if dry_run:
-                trainer.prepare(build=False)
-                print_dry_run(console, trainer.run)
-                return
             with progress_reporter(console, trainer) as (on_step, on_search):
                 trainer.on_step = on_step
                 trainer.on_search = on_search

@@ -25,8 +25,9 @@ class TPLaunch:
     applied: dict[str, str]  # the defaults this launch added to the environment
 
 
-def check_inputs(cfg, nproc: int) -> None:
-    """What the ranks will need, checked once here with a clear message (model, files, devices)."""
+def check_inputs(cfg, nproc: int, *, dry_run: bool = False) -> None:
+    """What the ranks will need, checked once here with a clear message (model, files, devices).
+    A dry run needs only the model's config: no checkpoints, tokens or GPUs."""
     from ..hardware import detect
 
     if nproc < 2:
@@ -37,6 +38,10 @@ def check_inputs(cfg, nproc: int) -> None:
         raise ConfigError("--device_map places layers on devices within one process; it does not combine with `voodoo tp`")
     if not Path(cfg.model).is_dir():
         raise ConfigError(f"--model {cfg.model}: no such model directory (the flags themselves are valid)")
+    if dry_run:
+        if not (Path(cfg.model) / "config.json").is_file():
+            raise ConfigError(f"--model {cfg.model}: no config.json (the dry run plans from it)")
+        return
     for flag, path in (("--base_checkpoint", cfg.base_checkpoint), ("--teacher_checkpoint", cfg.teacher_checkpoint),
                        ("--imatrix", cfg.imatrix)):
         if path and not Path(path).is_file():

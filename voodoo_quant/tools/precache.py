@@ -3,6 +3,13 @@
 Pure-CPU ggml work, parallel across ``--workers`` processes (one long-lived pool, so the seconds
 that IQ types take to initialize are paid once per worker). A second run finds every candidate
 cached and returns in seconds; training then starts without quantizing anything.
+
+At scale: the weights are read one tensor at a time (a skeleton model and a
+:class:`~voodoo_quant.lazyload.WeightReader`, never the whole float model), and ``--shard i/n``
+splits the tensors over n processes or hosts writing one cache directory (a shared file system):
+each computes the same cost-balanced split and builds only its part; the n parts together are
+exactly the entries one run builds, and concurrent writers keep the cache consistent
+(:meth:`voodoo_quant.cache.CandidateCache.put`).
 """
 
 from __future__ import annotations
@@ -24,12 +31,16 @@ class PrecacheConfig:
     non_attention_candidates: tuple[str, ...] | None = None
     imatrix: str | None = None
     workers: int | None = None
+    shard: str | None = None  # "i/n": build only part i of n (1-based)
 
     def __post_init__(self) -> None:
         if not self.model:
             raise ConfigError("--model is required")
         if self.workers is not None and self.workers < 1:
             raise ConfigError(f"--workers must be >= 1, got {self.workers}")
+        from ..precache import parse_shard
+
+        parse_shard(self.shard)
         menus = MenuConfig(self.candidate_types or DEFAULT_CANDIDATES, self.attention_candidates,
                            self.non_attention_candidates)
         self.candidate_types = menus.candidate_types
@@ -42,29 +53,45 @@ class PrecacheConfig:
 
 
 def precache(cfg: PrecacheConfig, *, progress: bool = True):
-    """Build every candidate of every selectable tensor; returns the precache BuildReport."""
+    """Build every candidate of every selectable tensor (of this ``--shard``); returns the BuildReport."""
     import torch
 
     from ..arch import adapter_for
     from ..cache import CandidateCache
-    from ..modeling import load_model
-    from ..precache import build_all
-    from ..student import candidate_jobs, plan_model, selectable_weights
-    from ..training.setup import _load_into, imatrix_vectors
+    from ..precache import build_all, job_cost, parse_shard, split_by_cost
+    from ..student import converter_layouts, plan_model, selectable_weights
+    from ..training.setup import _ReaderWeights, _jobs, _load_into, imatrix_vectors
 
-    model = load_model(cfg.model, text_model_class=cfg.text_model_class, dtype=torch.float32)
-    if cfg.base_checkpoint:
-        _load_into(model, cfg.base_checkpoint, "base checkpoint")
+    from pathlib import Path
+
+    if Path(cfg.model).is_dir() and any(Path(cfg.model).glob("*.safetensors")):
+        from ..lazyload import WeightReader, text_skeleton
+
+        model = text_skeleton(cfg.model, cfg.text_model_class)  # no weight is read until a job needs it
+        reader = WeightReader(cfg.model, model, checkpoint=cfg.base_checkpoint)
+    else:
+        from ..modeling import load_model
+
+        model = load_model(cfg.model, text_model_class=cfg.text_model_class, dtype=torch.float32)
+        if cfg.base_checkpoint:
+            _load_into(model, cfg.base_checkpoint, "base checkpoint")
+        reader = None
     imx = None
     if cfg.imatrix:
         from .. import imatrix as im
 
         imx = im.load(cfg.imatrix)
-    from ..student import converter_layouts
-
     adapter = adapter_for(model.config)
     plans = plan_model(model, adapter, cfg.menus, imatrix_names=set(imx.entries) if imx else None,
                        layout_for=converter_layouts(cfg.model))
-    weights = {n: w for n, (w, _) in selectable_weights(model).items()}
-    jobs = candidate_jobs(plans, weights, imatrix_vectors(imx, plans))
+    shard = parse_shard(cfg.shard)
+    if shard is not None:
+        costs = {p.name: sum(job_cost(t, p.rows * p.n_per_row, imx is not None) for t in p.menu.types) for p in plans}
+        mine = split_by_cost(costs, *shard)
+        plans = [p for p in plans if p.name in mine]
+    if reader is not None:
+        weights = _ReaderWeights(reader, {p.name: p.shape for p in plans})
+    else:
+        weights = {n: w for n, (w, _) in selectable_weights(model).items()}
+    jobs = _jobs(plans, weights, imatrix_vectors(imx, plans))
     return build_all(jobs, CandidateCache(), workers=cfg.workers or envs.quant_workers(), progress=progress)

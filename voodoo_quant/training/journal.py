@@ -37,6 +37,29 @@ class JournalState:
     config: dict[str, Any]
 
 
+def to_cpu(obj: Any) -> Any:
+    """`obj` (tensors nested in dicts, lists, tuples) with every tensor on the CPU: a journal written
+    on a GPU must load on any machine, and must not pin the GPU it was written on."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_cpu(v) for v in obj)
+    return obj
+
+
+def to_device(obj: Any, device: torch.device | str) -> Any:
+    """`obj` with every tensor moved to `device` (Adam's scalar ``step`` stays on the CPU, as torch keeps it)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: (v if k == "step" else to_device(v, device)) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_device(v, device) for v in obj)
+    return obj
+
+
 def save(path: Path, state: JournalState) -> None:
     fileio.torch_save(
         path,
@@ -44,15 +67,18 @@ def save(path: Path, state: JournalState) -> None:
             "journal_version": JOURNAL_VERSION,
             "step": state.step,
             "gates": {k: v.detach().cpu().clone() for k, v in state.gates.items()},
-            "optimizer": state.optimizer,
-            "rng": state.rng,
+            "optimizer": to_cpu(state.optimizer),
+            "rng": state.rng.cpu(),
             "config_hash": state.config_hash,
             "config_json": json.dumps(state.config, sort_keys=True),
         },
     )
 
 
-def load(path: Path, *, expect_hash: str, expect_names: set[str]) -> JournalState:
+def load(path: Path, *, expect_hash: str, expect_names: set[str],
+         device: torch.device | str | None = None) -> JournalState:
+    """The journal at `path` (read onto the CPU); with `device`, its gates and optimizer state
+    moved there (where the gates live)."""
     d = fileio.torch_load(path, what="journal")
     try:
         if d.get("journal_version") != JOURNAL_VERSION:
@@ -74,6 +100,9 @@ def load(path: Path, *, expect_hash: str, expect_names: set[str]) -> JournalStat
         )
     if set(state.gates) != expect_names:
         raise CorruptFileError(f"journal {path} holds gates for other tensors than this model's")
+    if device is not None:
+        state.gates = to_device(state.gates, device)
+        state.optimizer = to_device(state.optimizer, device)
     return state
 
 

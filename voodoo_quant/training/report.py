@@ -39,6 +39,12 @@ def print_dry_run(console: Console, run) -> None:
         f"target: {_mb(b.target_bytes)} ({b.bpw(b.target_bytes):.3f} bpw, {b.target_bytes / b.q8_bytes:.3f} of Q8_0) "
         f"± {b.tolerance:.1%}; training aims at {_mb(b.train_target_bytes)}"
     )
+    for note in getattr(run, "notes", ()):
+        console.print(f"note: {note}")
+    mem = getattr(run, "memory", None)
+    if mem is not None:  # voodoo_quant/memory.py
+        for line in mem.lines():
+            console.print(line, highlight=False, markup=False)
 
 
 @contextlib.contextmanager

@@ -52,8 +52,16 @@ def tiny(cfg: TrainConfig) -> TrainConfig:
     return cfg
 
 
-def load_models(cfg: TrainConfig, dtype: torch.dtype) -> tuple[nn.Module, nn.Module]:
-    """(student base, frozen teacher), both in eval mode on the CPU."""
+def load_models(cfg: TrainConfig, dtype: torch.dtype, *, sharded: bool = False) -> tuple[nn.Module, nn.Module]:
+    """(student base, frozen teacher), both in eval mode on the CPU.
+
+    With `sharded` (a tensor-parallel rank) both are skeletons (:mod:`voodoo_quant.lazyload`):
+    no weight is read here; :func:`build_student` streams the student's tensors one at a time into
+    the candidate cache and keeps only this rank's shards, and :func:`shard_teacher` reads only the
+    teacher's shards. Host memory is then one full tensor plus this rank's part of the model, not
+    the whole float32 model twice."""
+    if sharded and can_load_sharded(cfg):
+        return _skeletons(cfg)
     from ..modeling import load_model
 
     base = load_model(cfg.model, text_model_class=cfg.text_model_class, dtype=torch.float32)
@@ -69,6 +77,94 @@ def load_models(cfg: TrainConfig, dtype: torch.dtype) -> tuple[nn.Module, nn.Mod
     for p in base.parameters():
         p.requires_grad_(False)
     return base.eval(), teacher.to(dtype).eval()
+
+
+def can_load_sharded(cfg: TrainConfig) -> bool:
+    """Sharded loading reads safetensors (and .pt checkpoints) by name; a GGUF source loads whole."""
+    return Path(cfg.model).is_dir() and any(Path(cfg.model).glob("*.safetensors"))
+
+
+def _skeletons(cfg: TrainConfig) -> tuple[nn.Module, nn.Module]:
+    from ..lazyload import WeightReader, text_skeleton
+
+    base = text_skeleton(cfg.model, cfg.text_model_class)
+    teacher = text_skeleton(cfg.model, cfg.text_model_class)
+    base.voodoo_reader = WeightReader(cfg.model, base, checkpoint=cfg.base_checkpoint)
+    tsrc = cfg.teacher_checkpoint or cfg.base_checkpoint
+    teacher.voodoo_reader = WeightReader(cfg.model, teacher, checkpoint=tsrc)
+    teacher.voodoo_q8 = cfg.teacher_quant == "Q8_0" and not cfg.teacher_checkpoint
+    teacher.voodoo_dtype = TORCH_DTYPES[cfg.dtype]  # each shard is cast as it is read
+    return base, teacher
+
+
+def reader_of(model: nn.Module):
+    """The :class:`~voodoo_quant.lazyload.WeightReader` of a skeleton, else None (a loaded model)."""
+    return getattr(model, "voodoo_reader", None)
+
+
+def sensitivity_model(cfg: TrainConfig, base: nn.Module, tp=None) -> nn.Module:
+    """The float model the sensitivity pass reads: `base`, or for a skeleton the whole model,
+    loaded on the rank that computes the table (rank 0; the others read the saved table)."""
+    if reader_of(base) is None or (tp is not None and not tp.is_main):
+        return base
+    from ..modeling import load_model
+
+    full = load_model(cfg.model, text_model_class=cfg.text_model_class, dtype=torch.float32)
+    if cfg.base_checkpoint:
+        _load_into(full, cfg.base_checkpoint, "base checkpoint")
+    return full
+
+
+def _materialize(model: nn.Module, names, read) -> None:
+    from ..lazyload import set_tensor
+
+    for name in names:
+        set_tensor(model, name, read(name))
+
+
+def shard_teacher(teacher: nn.Module, tp_plan, tp) -> None:
+    """Split the teacher for this rank: a loaded teacher by :func:`parallel.apply_tp`; a skeleton
+    by reading only its shard of every split tensor (a Q8_0 teacher's selectable weights are
+    rounded through ggml's Q8_0 first: on the shard's rows directly, as Q8_0 works row by row, or
+    on the whole tensor when the split cuts the rows)."""
+    from ..lazyload import meta_names
+    from ..parallel import apply_tp
+
+    reader = reader_of(teacher)
+    if reader is None:
+        apply_tp(teacher, tp_plan, tp)
+        return
+    selectable = {n for n, _ in selectable_weights(teacher).items()}
+    q8 = getattr(teacher, "voodoo_q8", False)
+    params = dict(teacher.named_parameters(remove_duplicate=False))
+
+    def read(name: str) -> torch.Tensor:
+        shape = tuple(params[name].shape) if name in params else None
+        sh = tp_plan.shard_of(name)
+        if sh is None:
+            return _q8(reader.get(name, shape), name) if q8 and name in selectable else reader.get(name, shape)
+        if q8 and name in selectable:
+            if sh.dim == 0:
+                return _q8(reader.get_shard(name, 0, sh.bounds(tp.rank, tp.world), shape), name)
+            return sh.take(_q8(reader.get(name, shape), name), tp.rank, tp.world)
+        return reader.get_shard(name, sh.dim, sh.bounds(tp.rank, tp.world), shape)
+
+    dtype = getattr(teacher, "voodoo_dtype", torch.float32)
+    _materialize(teacher, meta_names(teacher), lambda n: read(n).to(dtype))
+    teacher.to(dtype)  # its float buffers too, as the whole-model path's teacher.to(dtype) does
+    # every split tensor is already this rank's part: apply_tp only adds the collectives
+    apply_tp(teacher, tp_plan, tp, gated=set(tp_plan.params))
+    del teacher.voodoo_reader
+
+
+def _q8(w: torch.Tensor, name: str) -> torch.Tensor:
+    """`w` through llama.cpp-exact Q8_0 (fallback applied), row by row (rows of its last dim)."""
+    from .. import qtypes as qt
+
+    lib = ggml.lib()
+    m = np.ascontiguousarray(w.detach().float().reshape(-1, w.shape[-1]).numpy())
+    q = qt.resolve_for_row("Q8_0", m.shape[1])
+    return torch.from_numpy(lib.dequantize(lib.quantize(m, q, name=name), q, m.shape, name=name)).reshape(w.shape)
 
 
 def _load_into(model: nn.Module, path: str, what: str) -> None:
@@ -95,15 +191,9 @@ def _load_into(model: nn.Module, path: str, what: str) -> None:
 
 def _quantize_teacher_q8(model: nn.Module) -> None:
     """Replace every selectable weight by its llama.cpp-exact Q8_0 round trip (fallback applied)."""
-    from .. import qtypes as qt
-
-    lib = ggml.lib()
     for name, (w, _) in selectable_weights(model).items():
-        m = np.ascontiguousarray(w.detach().float().reshape(-1, w.shape[-1]).numpy())
-        q = qt.resolve_for_row("Q8_0", m.shape[1])
-        deq = lib.dequantize(lib.quantize(m, q, name=name), q, m.shape, name=name)
         with torch.no_grad():
-            w.copy_(torch.from_numpy(deq).reshape(w.shape).to(w.dtype))
+            w.copy_(_q8(w, name).to(w.dtype))
 
 
 def load_imatrix(cfg: TrainConfig):
@@ -189,16 +279,41 @@ def build_student(
     init_logits: dict[str, torch.Tensor] | None = None, tp=None, tp_plan=None,
 ) -> dict[str, MixedQuant]:
     """Quantize every candidate (through the cache), attach the gates; returns them by name.
-    Under tensor parallelism each MixedQuant holds this rank's shard of every candidate."""
-    weights = {n: w for n, (w, _) in selectable_weights(base).items()}
-    blobs = candidate_blobs(plans, weights, vectors, quantize=quantize, progress=progress)
+    Under tensor parallelism each MixedQuant holds this rank's shard of every candidate.
+
+    The dense selectable weights are dropped before the model moves to `device` (the candidates
+    replace them), so the device never holds the float model; a skeleton's other tensors (norms,
+    small projections) are read whole here and split later by :func:`parallel.apply_tp`."""
+    from ..lazyload import meta_names, set_tensor
+
+    reader = reader_of(base)
+    if reader is not None:
+        params = dict(base.named_parameters(remove_duplicate=False))
+        weights = _ReaderWeights(reader, {p.name: p.shape for p in plans})
+    else:
+        weights = {n: w for n, (w, _) in selectable_weights(base).items()}
+    sources = candidate_sources(plans, weights, vectors, quantize=quantize, progress=progress)
     del weights
-    # Candidates are quantized from the float32 weights before anything is cast.
+    planned = {f"{m}.weight" for p in plans for m in p.modules} | {p.name for p in plans}
+    for name in planned:  # candidates are quantized from the float32 weights before anything is cast
+        set_tensor(base, name, torch.empty(0, dtype=torch.float32))
+    if reader is not None:
+        _materialize(base, [n for n in meta_names(base) if n not in planned],
+                     lambda n: reader.get(n, tuple(params[n].shape) if n in params else None))
+        del base.voodoo_reader
+    owned: dict[int, tuple] = {}  # own copies (tied ones once): a tensor left on a
+    for mod in base.modules():  # from_pretrained mmap keeps the whole checkpoint file resident
+        for k, t in list(mod._parameters.items()) + list(mod._buffers.items()):
+            if t is not None and t.device.type == "cpu" and t.numel():
+                if id(t) not in owned:  # the original is kept alive in the entry, so ids stay unique
+                    owned[id(t)] = (t, _own(t))
+                new = owned[id(t)][1]
+                (mod._parameters if k in mod._parameters else mod._buffers)[k] = new
     base.to(device=device, dtype=dtype)
     target_bpw = budget.bpw(budget.train_target_bytes)
     mixed = {
         plan.name: build_mixed(
-            plan, blobs.pop(plan.name), lazy=cfg.lazy, dtype=dtype, device=device,
+            plan, sources(plan), lazy=cfg.lazy, dtype=dtype, device=device,
             init_logits=init_logits[plan.name] if init_logits else prior_logits(plan, target_bpw),
             shard=plan_shard(tp_plan, plan), rank=tp.rank if tp else 0, world=tp.world if tp else 1,
         )
@@ -206,6 +321,55 @@ def build_student(
     }
     attach_all(base, plans, mixed)
     return mixed
+
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    c = t.detach().clone()
+    return nn.Parameter(c, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else c
+
+
+class _ReaderWeights:
+    """name -> the tensor read from a skeleton's checkpoint when asked (one at a time)."""
+
+    def __init__(self, reader, shapes: dict[str, tuple[int, ...]]):
+        self.reader, self.shapes = reader, shapes
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.reader.get(name, self.shapes[name])
+
+    def lazy(self, name: str):
+        return lambda: self[name]
+
+
+def candidate_sources(plans: list[TensorPlan], weights, vectors: dict[str, np.ndarray], *, quantize=None,
+                      progress: bool = False):
+    """A function plan -> the ggml bytes of its menu rungs, read from the cache one tensor at a
+    time (every candidate is built into the cache first unless `quantize` is given)."""
+    from ..cache import CandidateCache
+    from ..precache import build_all
+
+    if quantize is not None:
+        return lambda p: candidate_bytes(p, weights[p.name], vectors, quantize)
+    report = build_all(_jobs(plans, weights, vectors), CandidateCache(), progress=progress)
+    return lambda p: [report.paths[(p.name, t)].read_bytes() for t in p.menu.types]
+
+
+def _jobs(plans, weights, vectors):
+    """candidate_jobs, with each matrix read only when a job needs it for a reader's weights."""
+    from .. import qtypes as qt
+    from ..precache import CandidateJob
+    from ..student import candidate_jobs
+
+    if not isinstance(weights, _ReaderWeights):
+        return candidate_jobs(plans, weights, vectors)
+    jobs = []
+    for plan in plans:
+        vec = vectors.get(plan.gguf_name) if vectors and plan.gguf_name is not None else None
+        provider = (lambda lay=plan.layout, get=weights.lazy(plan.name): lay.to_gguf(get()))
+        for t in plan.menu.types:
+            use = vec if vec is not None and not qt.get(t).is_float else None
+            jobs.append(CandidateJob(plan.name, t, provider=provider, imatrix=use))
+    return jobs
 
 
 def plan_shard(tp_plan, plan: TensorPlan):

@@ -32,7 +32,7 @@ from .config import TrainConfig
 from .schedule import batch_indices, tau_at
 from .setup import (
     TORCH_DTYPES, RunSetup, plan_shard, build_student, hold_aside, imatrix_vectors, load_imatrix, load_models, load_tokens,
-    plan_run, tiny,
+    plan_run, sensitivity_model, shard_teacher, tiny,
 )
 
 log = logging.getLogger(__name__)
@@ -99,7 +99,8 @@ class Trainer:
             fileio.ensure_writable(cfg.out_dir)  # before minutes of loading and quantizing
         need_tokens = build or cfg.needs_sensitivity
         tokens = load_tokens(cfg.data_path, cfg.seq_len) if need_tokens else torch.empty(0, 0, dtype=torch.long)
-        base, teacher = load_models(cfg, dtype)
+        # a tensor-parallel rank reads only its shards (training/setup.py load_models)
+        base, teacher = load_models(cfg, dtype, sharded=tp is not None and build and cfg.method == "gates")
         if build:
             check_vocab(tokens, base, cfg.data_path)
         imx = load_imatrix(cfg)
@@ -122,8 +123,8 @@ class Trainer:
 
             need_curv = build and self.measures and cfg.search_evals > 0
             with _main_first(tp):  # rank 0 computes and saves the table; the others load it
-                sens = ensure_table(cfg, base, plans, vectors, self.run.tokens, progress=self.progress,
-                                    need_curvature=need_curv)
+                sens = ensure_table(cfg, sensitivity_model(cfg, base, tp), plans, vectors, self.run.tokens,
+                                    progress=self.progress, need_curvature=need_curv)
             self.run.sensitivity, self.run.curvature = sens.table, sens.curvature
         if build and cfg.method == "gates" and self.measures:
             self._plan_references(base, vectors, imx)
@@ -139,7 +140,7 @@ class Trainer:
                 from ..parallel import apply_tp
 
                 apply_tp(base, tp_plan, tp, gated=mixed)
-                apply_tp(teacher, tp_plan, tp)
+                shard_teacher(teacher, tp_plan, tp)
                 self.run.tp_sharded = {p.name for p in plans if plan_shard(tp_plan, p) is not None}
             teacher.to(self.run.teacher_device)
             if len(devices) > 1 or cfg.device_map:

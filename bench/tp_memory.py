@@ -1,0 +1,122 @@
+"""Host peak RSS per rank of a 2-rank gloo tensor-parallel run: sharded vs whole-model loading.
+
+A random Qwen3.5-shaped checkpoint (hidden 2048 by default) is saved with ``save_pretrained``;
+two torchrun ranks then prepare a ``--lazy`` run and train one step, once with sharded loading
+(skeleton + sliced reads, the default under TP) and once with the whole-model path every rank
+took before (load the float32 model, deep-copy the teacher, split both), forced by disabling
+``training.setup.can_load_sharded`` in the ranks. Each rank reports ``ru_maxrss`` after
+``prepare()`` (loading, candidates, split) and after the step (on CPU the training state lives in
+the same RAM). Printed per rank, with the sharded / whole ratio.
+
+    python bench/tp_memory.py [--hidden 2048] [--layers 8] [--vocab 32768] [--out bench/results/tp_memory.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+MENU = ("Q8_0", "Q4_K", "Q2_K")
+
+
+def make_model(d: Path, hidden: int, layers: int, vocab: int, seq: int) -> int:
+    import torch
+    import transformers as T
+
+    torch.manual_seed(0)
+    heads = hidden // 128
+    cfg = T.Qwen3_5TextConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=max(2, heads // 4), head_dim=128,
+        linear_num_key_heads=max(2, heads // 2), linear_num_value_heads=heads, linear_key_head_dim=128,
+        linear_value_head_dim=128, layer_types=(["linear_attention"] * 3 + ["full_attention"]) * (layers // 4),
+        tie_word_embeddings=True, max_position_embeddings=4 * seq)
+    m = T.Qwen3_5ForCausalLM(cfg)
+    n = sum(p.numel() for p in m.parameters())
+    m.save_pretrained(d / "model")
+    (d / "data").mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(1)
+    torch.save(torch.randint(0, vocab, (4, seq), generator=g), d / "data" / "train_tokens.pt")
+    return n
+
+
+def rank_main(d: Path, out: Path, mode: str, seq: int, dtype: str) -> None:
+    """One torchrun rank: prepare, record the peak, one step, record again."""
+    import torch
+    import torch.distributed as dist
+
+    from voodoo_quant.training import setup
+    from voodoo_quant.training.config import TrainConfig
+    from voodoo_quant.training.trainer import Trainer
+
+    torch.set_num_threads(1)
+    if mode == "whole":
+        setup.can_load_sharded = lambda cfg: False  # the whole-model path every rank took before
+    cfg = TrainConfig(model=str(d / "model"), data_dir=str(d / "data"), seq_len=seq, batch_size=1, max_steps=1,
+                      compression_ratio=0.6, candidate_types=MENU, output_dir=str(out / mode), tensor_parallel=2,
+                      lazy=True, warm_start=False, polish=False, dtype=dtype, loss_chunk_size=64)
+    tr = Trainer(cfg)
+    tr.prepare()
+    after_prepare = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    tr.train()
+    after_step = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    rank = dist.get_rank()
+    (out / f"{mode}-rank{rank}.json").write_text(json.dumps({"prepare": after_prepare, "step": after_step}))
+    dist.destroy_process_group()
+
+
+def run(d: Path, out: Path, mode: str, seq: int, dtype: str) -> list[dict]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "VOODOO_QUANT_WORKERS": "1", "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        str(Path(__file__).resolve()), "--rank", str(d), str(out), mode, str(seq), dtype],
+                       capture_output=True, text=True, env=env, cwd=ROOT)
+    if p.returncode != 0:
+        raise SystemExit(f"{mode} run failed:\n{p.stderr[-4000:]}")
+    return [json.loads((out / f"{mode}-rank{r}.json").read_text()) for r in range(2)]
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--rank":
+        d, out, mode, seq, dtype = sys.argv[2:7]
+        rank_main(Path(d), Path(out), mode, int(seq), dtype)
+        return
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=32768)
+    ap.add_argument("--seq_len", type=int, default=64)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--workdir", type=Path, default=None)
+    ap.add_argument("--out", type=Path, default=None)
+    a = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="voodoo-tpmem-") as tmp:
+        work = a.workdir or Path(tmp)
+        d = work / "model-dir"
+        n = make_model(d, a.hidden, a.layers, a.vocab, a.seq_len) if not (d / "model").is_dir() else None
+        res = {"hidden": a.hidden, "layers": a.layers, "vocab": a.vocab, "params": n, "dtype": a.dtype}
+        out = work / "runs"
+        out.mkdir(parents=True, exist_ok=True)
+        for mode in ("sharded", "whole"):
+            res[mode] = run(d, out, mode, a.seq_len, a.dtype)
+        print(f"Qwen3.5-shaped, hidden {a.hidden}, {a.layers} layers, vocab {a.vocab}"
+              + (f", {n / 1e9:.2f}e9 parameters" if n else "") + f", 2 gloo ranks, --lazy, {a.dtype}")
+        for phase in ("prepare", "step"):
+            for r in range(2):
+                s, w = res["sharded"][r][phase], res["whole"][r][phase]
+                print(f"  rank {r} peak RSS after {phase:7}: sharded {s / 1e9:6.2f} GB  whole {w / 1e9:6.2f} GB  "
+                      f"ratio {s / w:.2f}")
+        if a.out:
+            a.out.parent.mkdir(parents=True, exist_ok=True)
+            a.out.write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()

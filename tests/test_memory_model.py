@@ -1,0 +1,85 @@
+"""The memory model and the dry run: planned from a config alone, no tokens file, no weights.
+
+Its agreement with measured peaks is bench/memory_model.py (CPU, three sizes); here: the dry run
+runs where the run could not (no tokens, no weights, no GPU), the terms move the way the flags
+say, and the reference recipe (27B hybrid, TP-4) prints a plan with a fit verdict and, when it
+does not fit, the flags to change."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from voodoo_quant.cli.tp import parse_train_flags
+from voodoo_quant.memory import dry_run
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG_27B = ROOT / "bench" / "configs" / "qwen35_27b"
+RECIPE = [
+    "--model", str(CONFIG_27B), "--base_checkpoint", "nowhere/base.pt", "--text_model_class", "qwen3_5_text",
+    "--teacher_quant", "Q8_0", "--teacher_checkpoint", "nowhere/teacher.pt", "--compression_ratio", "0.30",
+    "--budget_reduction", "0.03", "--seq_len", "8192", "--batch_size", "1", "--max_steps", "100", "--lazy",
+    "--imatrix", "imatrix.gguf", "--candidate_types", "Q8_0", "Q5_K", "IQ3_S", "IQ2_S", "IQ2_XXS", "IQ1_S",
+    "--attention_candidates", "Q5_K", "IQ3_S", "IQ2_S", "IQ2_XXS",
+    "--non_attention_candidates", "IQ4_XS", "IQ3_S", "IQ2_S", "IQ2_XXS", "IQ1_S",
+    "--tensor_parallel", "4", "--gradient_checkpointing", "--data_dir", "nowhere", "--data_name", "train_tokens.pt",
+    "--device", "cuda:0", "--dtype", "bfloat16", "--partial_save_interval", "1", "--no_compile",
+]
+
+
+def _cli(*args, env_extra=None):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env_extra or {})}
+    return subprocess.run([sys.executable, "-m", "voodoo_quant.cli.app", *args], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=600)
+
+
+def test_train_dry_run_needs_no_tokens_file(gate_model_dir, tmp_path):
+    p = _cli("train", "--model", str(gate_model_dir / "model"), "--data_dir", str(tmp_path / "no-data"),
+             "--output_dir", str(tmp_path / "out"), "--candidate_types", "Q8_0", "Q4_K", "--compression_ratio", "0.6", "--dry_run")
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "predicted memory per rank (1 rank(s), cpu)" in p.stdout
+    assert "TOTAL (peak)" in p.stdout and "cpu run peak RSS" in p.stdout
+    assert not (tmp_path / "out").exists()  # a dry run writes nothing
+
+
+def _mem(flags):
+    return dry_run(parse_train_flags(flags)).memory
+
+
+def _term(mem, prefix):
+    return next(t.bytes for t in mem.device if t.name.startswith(prefix))
+
+
+def test_terms_follow_the_flags(gate_model_dir, tmp_path):
+    base = ["--model", str(gate_model_dir / "model"), "--data_dir", str(tmp_path), "--candidate_types", "Q8_0", "Q4_0", "--compression_ratio", "0.6",
+            "--seq_len", "64"]
+    eager, lazy = _mem(base), _mem(base + ["--lazy"])
+    assert _term(lazy, "candidates") < _term(eager, "candidates") / 3  # packed bytes vs 2 dense copies
+    ckpt = _mem(base + ["--gradient_checkpointing"])
+    assert _term(ckpt, "activations") < _term(eager, "activations")
+    longer = _mem(base + ["--seq_len", "128"])
+    assert 1.9 < _term(longer, "activations") / _term(eager, "activations") < 2.1  # linear in tokens (flash-like)
+    bf16 = _mem(base + ["--dtype", "bfloat16"])
+    assert _term(bf16, "mixed weights") == _term(eager, "mixed weights") / 2
+    tp2 = dry_run(parse_train_flags(base + ["--tensor_parallel", "2"]), world=2).memory
+    assert _term(tp2, "mixed weights") == pytest.approx(_term(eager, "mixed weights") / 2, rel=0.01)
+
+
+def test_reference_recipe_plans_from_a_config_alone():
+    """27B hybrid, TP-4, seq 8192, --lazy, Q8_0 teacher: no weights, checkpoints, tokens or GPU here."""
+    p = _cli("tp", "--nproc", "4", "--", *RECIPE, "--output_dir", "/nonexistent/out", "--dry_run",
+             env_extra={"VOODOO_DEVICE_MEMORY_GB": "32"})
+    assert p.returncode == 0, p.stderr[-2000:]
+    out = p.stdout
+    assert "selectable tensors: 498" in out
+    assert "predicted memory per rank (4 rank(s), cuda)" in out
+    assert "teacher weights" in out and "loss chunk" in out and "activations (--gradient_checkpointing)" in out
+    verdict = [ln for ln in out.splitlines() if "GB of 32 GB per device" in ln]
+    assert len(verdict) == 1
+    if "DOES NOT FIT" in verdict[0]:
+        assert "change:" in out  # which flag to change, with the total it would give
+    assert "torch.distributed.run" not in out  # nothing launched

@@ -1,0 +1,449 @@
+"""A memory model of a training run: predicted peak device memory per rank and host memory.
+
+Everything is derived from shapes (a skeleton model on the ``meta`` device is enough, so it works
+from a ``config.json`` alone) and the run's flags; nothing is allocated. The terms follow what the
+code holds:
+
+* **mixed weights**: inside ``parametrize.cached()`` (training/trainer.py ``_step``) every gated
+  weight's mixture ``W = Σ p_k W_k`` is computed once per step and kept until the backward ends:
+  the rank's part of every selectable weight, in the training dtype;
+* **candidates**: packed ggml bytes (``--lazy``; this rank's rows / blocks under TP) or K dense
+  copies (eager); plus the mixing transient of the largest tensor (float32 accumulator, one
+  candidate, its gradient);
+* **gates and Adam**: K float32 logits, their gradient and two moments, and the float64 byte sizes;
+* **the teacher**: every weight in the training dtype (a Q8_0 teacher is held dequantized);
+* **activations**: what autograd saves for one decoder layer of each kind, counted by running
+  that layer on ``meta`` at ``--batch_size`` × ``--seq_len`` under ``saved_tensors_hooks``
+  (attention counted as a flash kernel saves it: q, k, v, output and the log-sum-exp, never the
+  T×T matrix); with ``--gradient_checkpointing`` only each layer's input is kept, plus one layer
+  recomputed in backward;
+* **loss chunks**: ``--loss_chunk_size`` tokens × this rank's vocabulary in float32 (student and
+  teacher logits, log-softmaxes, the KL product) and both models' final hidden states.
+
+Host memory is the loading peak: the whole float32 model twice (student + teacher deep copy) on
+one device, or one full tensor and this rank's shards under tensor parallelism (sharded loading,
+:mod:`voodoo_quant.lazyload`), plus the process baseline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+import torch.nn as nn
+
+GB = 1e9
+# Resident set of a Python process that has imported torch, transformers and this package
+# (measured on this project's CPU machine: bench/memory_model.py prints it).
+PROCESS_BASELINE = 0.55e9
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass
+class Term:
+    name: str
+    bytes: float
+    note: str = ""
+
+
+@dataclass
+class MemoryPlan:
+    device: list[Term] = field(default_factory=list)  # per rank, on its device
+    host: list[Term] = field(default_factory=list)  # per rank, host RAM at the loading peak
+    world: int = 1
+    device_kind: str = "cpu"
+    capacity: float | None = None  # bytes of one device, when given
+    advice: list[str] = field(default_factory=list)
+
+    @property
+    def device_total(self) -> float:
+        return sum(t.bytes for t in self.device)
+
+    @property
+    def host_total(self) -> float:
+        return sum(t.bytes for t in self.host)
+
+    @property
+    def cpu_peak(self) -> float:
+        """A CPU run's peak RSS: device and host are the same memory; the larger phase wins."""
+        return max(self.device_total, self.host_total - PROCESS_BASELINE) + PROCESS_BASELINE
+
+    def fits(self, headroom: float = 0.9) -> bool | None:
+        """Whether the device terms fit `headroom` of the device (allocator and context overhead)."""
+        if self.capacity is None:
+            return None
+        return self.device_total <= headroom * self.capacity
+
+    def lines(self) -> list[str]:
+        out = [f"predicted memory per rank ({self.world} rank(s), {self.device_kind}); a prediction, not a measurement"]
+        for t in self.device:
+            out.append(f"  device  {t.name:<34} {t.bytes / GB:9.2f} GB  {t.note}")
+        out.append(f"  device  {'TOTAL (peak)':<34} {self.device_total / GB:9.2f} GB")
+        for t in self.host:
+            out.append(f"  host    {t.name:<34} {t.bytes / GB:9.2f} GB  {t.note}")
+        out.append(f"  host    {'TOTAL (loading peak)':<34} {self.host_total / GB:9.2f} GB")
+        if self.device_kind == "cpu":
+            out.append(f"  cpu run peak RSS (device and host are one memory): {self.cpu_peak / GB:.2f} GB")
+        if self.capacity is not None:
+            verdict = "fits" if self.fits() else "DOES NOT FIT"
+            out.append(f"  {verdict}: {self.device_total / GB:.2f} GB of {self.capacity / GB:.0f} GB per device "
+                       f"(limit 90 % for allocator and context overhead)")
+        out += [f"  change: {a}" for a in self.advice]
+        return out
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def _rank_numel(name: str, shape: Sequence[int], tp_plan, world: int) -> int:
+    sh = tp_plan.shard_of(name) if tp_plan is not None else None
+    if sh is None:
+        return _numel(shape)
+    return _numel(shape) * len(sh.index(0, world)) // sh.size
+
+
+class _FakeTP:
+    """A one-process stand-in for the probe: collectives change no saved-tensor sizes."""
+
+    rank, is_main = 0, True
+
+    def __init__(self, world: int):
+        self.world = world
+
+    def all_reduce(self, t, op="sum"):
+        return t
+
+
+class _FlashSDPA(torch.autograd.Function):
+    """Saves what a flash-attention kernel saves (q, k, v, out, lse), not the T×T matrix."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):  # type: ignore[override]
+        out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        q, k, v, _, _ = ctx.saved_tensors
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+
+@contextlib.contextmanager
+def _flash_attention():
+    import torch.nn.functional as F
+
+    old = F.scaled_dot_product_attention
+
+    def sdpa(q, k, v, *args, enable_gqa=False, **kw):
+        if k.shape[-3] != q.shape[-3]:  # grouped-query: the kernel reads shared k/v heads
+            rep = q.shape[-3] // k.shape[-3]
+            k, v = k.repeat_interleave(rep, -3), v.repeat_interleave(rep, -3)
+        return _FlashSDPA.apply(q, k, v)
+
+    F.scaled_dot_product_attention = sdpa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = old
+
+
+def layer_saved_bytes(model: nn.Module, index: int, batch: int, seq: int, dtype: torch.dtype,
+                      adapter=None, world: int = 1) -> float:
+    """Bytes autograd saves for decoder layer `index` of `model` (run on ``meta``) on a
+    [batch, seq] input, this rank's heads under tensor parallelism; weights excluded."""
+    from .parallel import decoder_layers
+
+    _, layers = decoder_layers(model)
+    layer = copy.deepcopy(layers[index]).to(device="meta", dtype=dtype)
+    if world > 1 and adapter is not None and getattr(adapter, "supports_tp", False):
+        ls = adapter.shard_layer(layers[index], world)
+        for rel, sh in ls.params.items():
+            mname, _, pname = rel.rpartition(".")
+            mod = layer.get_submodule(mname) if mname else layer
+            p = getattr(mod, pname)
+            mod._parameters[pname] = nn.Parameter(sh.take(p.data, 0, world), requires_grad=False)
+        for rel, attrs in ls.attrs.items():
+            mod = layer.get_submodule(rel) if rel else layer
+            for k, v in attrs.items():
+                setattr(mod, k, v)
+    for p in layer.parameters():
+        p.requires_grad_(False)
+    hidden = model.config.get_text_config().hidden_size
+    x = torch.empty(batch, seq, hidden, device="meta", dtype=dtype, requires_grad=True)
+    pos = torch.arange(seq, device="meta").unsqueeze(0).expand(batch, -1)
+    base = getattr(model, model.base_model_prefix)
+    rot = getattr(base, "rotary_emb", None)
+    kw: dict[str, Any] = {"attention_mask": None, "position_ids": pos}
+    if rot is not None:
+        rot = copy.deepcopy(rot).to("meta")
+        kw["position_embeddings"] = rot(x, pos)
+    params = {p.untyped_storage()._cdata for p in layer.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor):
+        st = t.untyped_storage()
+        if st._cdata not in params and t.requires_grad is not None:
+            seen[st._cdata] = st.nbytes()
+        return t
+
+    with _flash_attention(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        try:
+            layer(x, **kw)
+        except TypeError:
+            kw.pop("position_embeddings", None)
+            layer(x, **kw)
+    return float(sum(seen.values()))
+
+
+def _layer_kinds(model: nn.Module) -> list[int]:
+    """Index of the first decoder layer of each distinct layer class/kind."""
+    from .parallel import decoder_layers
+
+    _, layers = decoder_layers(model)
+    kinds: dict[Any, int] = {}
+    types = getattr(model.config.get_text_config(), "layer_types", None)
+    for i, layer in enumerate(layers):
+        key = (type(layer).__name__, types[i] if types and i < len(types) else None)
+        kinds.setdefault(key, i)
+    return list(kinds.values())
+
+
+def plan_memory(cfg, model: nn.Module, plans: Sequence, *, adapter=None, tp_plan=None, world: int = 1,
+                capacity: float | None = None, device_kind: str | None = None, replan=None) -> MemoryPlan:
+    """The memory plan of `cfg` (a TrainConfig) for `model` (a skeleton or loaded model, not yet
+    split or gated) with its `plans`; `tp_plan` / `world` for a tensor-parallel rank. `replan`
+    (changes -> MemoryPlan) lets the plan say which flag changes would make it fit."""
+    from .parallel import decoder_layers
+
+    db = DTYPE_BYTES[cfg.dtype]
+    tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.dtype]
+    kind = device_kind or ("cuda" if str(cfg.device).startswith("cuda") else "cpu")
+    mp = MemoryPlan(world=world, device_kind=kind, capacity=capacity)
+    text = model.config.get_text_config()
+    hidden, vocab = text.hidden_size, text.vocab_size
+    _, layers = decoder_layers(model)
+    n_layers = len(layers)
+    planned = {p.name for p in plans} | {f"{m}.weight" for p in plans for m in p.modules}
+
+    # -- weights and candidates -----------------------------------------------------------------
+    sel = {p.name: _rank_numel(p.name, p.shape, tp_plan, world) for p in plans}
+    frac = {p.name: sel[p.name] / _numel(p.shape) for p in plans}
+    mp.device.append(Term("mixed weights (cached per step)", sum(sel.values()) * db,
+                          f"{sum(sel.values()) / 1e9:.2f}e9 weights x {db} B"))
+    if cfg.lazy:
+        cand = sum(sum(p.sizes) * frac[p.name] for p in plans)
+        mp.device.append(Term("candidates (packed, --lazy)", cand, f"{cand * 8 / max(1, sum(sel.values())):.1f} bits/weight"))
+    else:
+        cand = sum(len(p.sizes) * sel[p.name] * db for p in plans)
+        mp.device.append(Term("candidates (dense, eager)", cand, "K dense copies; --lazy packs them"))
+    big = max(sel.values())
+    mp.device.append(Term("mixing transient (largest tensor)", big * (4 + 4 + 2 * db), "fp32 accumulator + term + W_k + dL/dW"))
+    others = 0
+    seen: set[int] = set()
+    for name, p in [*model.named_parameters(remove_duplicate=False)]:
+        if name in planned or id(p) in seen:
+            continue
+        seen.add(id(p))
+        others += _rank_numel(name, p.shape, tp_plan, world)
+    mp.device.append(Term("other weights (norms, small projections)", others * db))
+    n_gates = sum(len(p.sizes) for p in plans)
+    mp.device.append(Term("gates, gradients, Adam, byte sizes", n_gates * (4 * 4 + 8)))
+
+    # -- the teacher ----------------------------------------------------------------------------
+    t_numel = sum(sel.values()) + others
+    t_note = "Q8_0 teacher held dequantized" if (cfg.teacher_quant == "Q8_0" or cfg.teacher_checkpoint) else "float teacher"
+    teacher = Term("teacher weights", t_numel * db, t_note)
+    on_host_teacher = bool(cfg.teacher_device) and cfg.teacher_device != cfg.device
+    if not on_host_teacher:
+        mp.device.append(teacher)
+
+    # -- activations ----------------------------------------------------------------------------
+    B, T = cfg.batch_size, cfg.seq_len
+    per_kind = {}
+    for i in _layer_kinds(model):
+        try:
+            per_kind[i] = layer_saved_bytes(model, i, B, T, tdtype, adapter, world)
+        except Exception:  # an architecture the probe cannot run: a Llama-like estimate
+            inter = getattr(text, "intermediate_size", 4 * hidden)
+            per_kind[i] = B * T * (8 * hidden + 4 * inter / world) * db
+    kinds = _layer_kinds(model)
+    types = getattr(text, "layer_types", None)
+
+    def saved_of(j: int) -> float:
+        for i in kinds:
+            if type(layers[i]) is type(layers[j]) and (not types or types[i] == types[j]):
+                return per_kind[i]
+        return max(per_kind.values())
+
+    all_layers = sum(saved_of(j) for j in range(n_layers))
+    layer_in = B * T * hidden * db
+    if cfg.gradient_checkpointing:
+        act = n_layers * layer_in + max(per_kind.values()) + 2 * B * T * hidden * 4
+        mp.device.append(Term("activations (--gradient_checkpointing)", act,
+                              f"{n_layers} layer inputs + one layer recomputed ({max(per_kind.values()) / GB:.2f} GB)"))
+    else:
+        mp.device.append(Term("activations (all layers saved)", all_layers + layer_in,
+                              f"with --gradient_checkpointing: {(n_layers * layer_in + max(per_kind.values())) / GB:.2f} GB"))
+    # the teacher's no-grad forward: one layer's intermediates at a time
+    mp.device.append(Term("teacher forward (no grad, one layer)", max(per_kind.values()) / 2))
+
+    # -- loss -----------------------------------------------------------------------------------
+    n_tok = B * (T - 1)
+    chunk = n_tok if cfg.loss_chunk_size <= 0 else min(cfg.loss_chunk_size, n_tok)
+    v_rank = -(-vocab // world)
+    loss = 6 * chunk * v_rank * 4 + chunk * v_rank * db + 2 * n_tok * hidden * db
+    mp.device.append(Term("loss chunk (logits, log-softmax, KL)", loss,
+                          f"{chunk} tokens x {v_rank} vocab" + ("" if cfg.loss_chunk_size > 0 else "; --loss_chunk_size bounds it")))
+
+    # -- host: the loading peak -----------------------------------------------------------------
+    full = sum(_numel(p.shape) for p in plans) + sum(
+        p.numel() for n, p in model.named_parameters() if n not in planned)
+    biggest = max(_numel(p.shape) for p in plans)
+    mp.host.append(Term("process baseline (torch, transformers)", PROCESS_BASELINE))
+    if world > 1:
+        mp.host.append(Term("one full tensor in flight (float32)", 3 * biggest * 4, "read, GGUF-layout copy, quantizer input"))
+        mp.host.append(Term("teacher shards (cast as read)", t_numel * db))
+        mp.host.append(Term("student small weights (float32, whole)", sum(
+            p.numel() for n, p in model.named_parameters() if n not in planned) * 4))
+    else:
+        mp.host.append(Term("student + teacher, float32 (deep copy)", 2 * full * 4, "loaded whole on one device"))
+        mp.host.append(Term("one tensor's candidate bytes", sum(max(p.sizes) for p in plans[:1]) * 2))
+    if on_host_teacher:
+        mp.host.append(Term("teacher weights (--teacher_device)", t_numel * db))
+    if cfg.needs_sensitivity:
+        mp.host.append(Term("sensitivity pass", 0.0, "not modelled here (training/sensitivity.py); --no_warm_start --no_polish skip it"))
+    mp.advice = _advice(cfg, mp, capacity, replan)
+    return mp
+
+
+def _advice(cfg, mp: MemoryPlan, capacity, replan) -> list[str]:
+    """Flag changes that make the run fit, each with the device total it gives (re-planned), and the
+    cheapest combination found greedily (largest saving first) when no single change is enough."""
+    if capacity is None or mp.fits() or replan is None:
+        return []
+    limit = 0.9 * capacity
+    options: list[tuple[str, dict]] = []
+    if not cfg.gradient_checkpointing:
+        options.append(("--gradient_checkpointing", {"gradient_checkpointing": True}))
+    if not cfg.lazy:
+        options.append(("--lazy", {"lazy": True}))
+    if cfg.loss_chunk_size <= 0 or cfg.loss_chunk_size > 1024:
+        options.append(("--loss_chunk_size 1024", {"loss_chunk_size": 1024}))
+    if cfg.seq_len >= 1024:
+        options.append((f"--seq_len {cfg.seq_len // 2}", {"seq_len": cfg.seq_len // 2}))
+    if mp.world > 1:
+        options.append((f"--tensor_parallel {2 * mp.world} (--nproc {2 * mp.world})", {"__world": 2 * mp.world}))
+    elif not cfg.teacher_device and str(cfg.device).startswith("cuda"):
+        options.append(("--teacher_device cpu", {"teacher_device": "cpu"}))
+    from .errors import ConfigError
+
+    single, out = [], []
+    for flag, change in options:
+        try:
+            single.append((replan(change).device_total, flag, change))
+        except ConfigError as e:  # e.g. a degree the heads do not split into
+            out.append(f"{flag}: not possible ({str(e).splitlines()[0]})")
+    out = [f"{flag}: {total / GB:.1f} GB" + (" (fits)" if total <= limit else "") for total, flag, _ in single] + out
+    if any(total <= limit for total, _, _ in single):
+        return out
+    chosen, merged, t = [], {}, mp.device_total
+    for total, flag, change in sorted(single, key=lambda t: t[0]):
+        merged.update(change)
+        chosen.append(flag)
+        t = replan(dict(merged)).device_total
+        if t <= limit:
+            out.append(f"together: {' '.join(chosen)}: {t / GB:.1f} GB (fits)")
+            return out
+    out.append(f"no combination of these flags fits {capacity / GB:.0f} GB (all of them: {t / GB:.1f} GB)")
+    return out
+
+
+# -- the dry run -------------------------------------------------------------------------------
+@dataclass
+class DryRun:
+    """What ``voodoo train --dry_run`` prints: the menus and budget, and the memory plan."""
+
+    cfg: Any
+    plans: list
+    budget: Any
+    memory: MemoryPlan
+    notes: list[str] = field(default_factory=list)
+
+
+def device_capacity(cfg) -> float | None:
+    """Bytes of one device for the fit check: VOODOO_DEVICE_MEMORY_GB, else the visible GPU's,
+    else 32 GB for ``--device cuda`` (the reference recipe's cards), else the host's RAM."""
+    import os
+
+    from . import envs
+
+    gb = envs.device_memory_gb()
+    if gb is not None:
+        return gb * GB
+    if str(cfg.device).startswith("cuda"):
+        if torch.cuda.is_available():
+            return float(torch.cuda.get_device_properties(0).total_memory)
+        return 32 * GB
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def dry_run(cfg, world: int | None = None) -> DryRun:
+    """Plan a run from the model's config alone (a skeleton on ``meta``: no weight, no tokens
+    file, no process group): menus, budget, the tensor-parallel split and the memory plan."""
+    from pathlib import Path
+
+    from .arch import adapter_for
+    from .budget import make_budget
+    from .lazyload import text_skeleton
+    from .student import converter_layouts, plan_model, selectable_weights
+
+    world = world or cfg.tensor_parallel
+    notes = []
+    model = text_skeleton(cfg.model, cfg.text_model_class)
+    adapter = adapter_for(model.config)
+    has_weights = any(Path(cfg.model).glob("*.safetensors"))
+    layout_for = converter_layouts(cfg.model) if has_weights else None
+    if not has_weights:
+        notes.append(f"{cfg.model} holds no weights: GGUF rows are taken as the HF rows (sizes may differ slightly)")
+    names = None
+    if cfg.imatrix and Path(cfg.imatrix).is_file():
+        from . import imatrix as im
+
+        names = set(im.load(cfg.imatrix).entries)
+    elif cfg.imatrix:
+        names = {adapter.gguf_name(n) for n in selectable_weights(model)}
+        names |= {lay.gguf_name for n, (w, _) in selectable_weights(model).items()
+                  if layout_for and (lay := layout_for(n, tuple(w.shape))) is not None}
+        notes.append(f"--imatrix {cfg.imatrix} does not exist yet: planned as if it covered every tensor")
+    plans = plan_model(model, adapter, cfg.menus, imatrix_names=names, layout_for=layout_for)
+    budget = make_budget(plans, compression_ratio=cfg.compression_ratio, target_bits=cfg.target_bits,
+                         budget_reduction=cfg.budget_reduction, tolerance=cfg.size_tolerance)
+    from .parallel import plan_tp
+
+    capacity = device_capacity(cfg)
+
+    def plan_for(c, w: int, replan=None) -> MemoryPlan:
+        tp_plan = plan_tp(model, adapter, w, plans) if w > 1 else None
+        return plan_memory(c, model, plans, adapter=adapter, tp_plan=tp_plan, world=w, capacity=capacity,
+                           replan=replan)
+
+    def replan(change: dict) -> MemoryPlan:
+        change = dict(change)
+        w = change.pop("__world", world)
+        return plan_for(dataclasses.replace(cfg, **change), w)
+
+    mem = plan_for(cfg, world, replan)
+    return DryRun(cfg, plans, budget, mem, notes)
