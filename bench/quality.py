@@ -360,18 +360,19 @@ class QualityBench:
             rows.append({**row, "method": method, "size_percent": size, "seed": seed, **extra})
             self.write(rows, base_info)  # after every file: a stopped bench still reports what it measured
 
-        for q in cfg.stock:
-            add(self.stock_file(q), "stock", None, None)
-        for q in cfg.pure:
-            add(self.pure_file(q), "uniform", None, None)
-        # Size by size (in the order given), every method, the first seed; then the other seeds: a
-        # bench stopped early still compares every method at the sizes it reached.
-        for first in (True, False):
-            for size in cfg.sizes:
-                for method in cfg.methods:
-                    seeds = cfg.seeds_for(method, size)
-                    for seed in (seeds[:1] if first else seeds[1:]):
-                        add(self.make_method(method, size, seed), method, size, seed)
+        # The floor; the first size (every method); the stock and uniform files; the other sizes;
+        # then the other seeds: a bench stopped early still reports comparable rows.
+        add(self.stock_file(FLOOR), "stock", None, None)
+        todo = [(s, m, cfg.seeds_for(m, s)[:1]) for s in cfg.sizes for m in cfg.methods]
+        todo += [(s, m, cfg.seeds_for(m, s)[1:]) for s in cfg.sizes for m in cfg.methods]
+        refs = [(self.stock_file(q), "stock") for q in cfg.stock if q != FLOOR] + [(self.pure_file(q), "uniform") for q in cfg.pure]
+        n_first = len(cfg.methods)
+        for i, (size, method, seeds) in enumerate(todo):
+            for seed in seeds:
+                add(self.make_method(method, size, seed), method, size, seed)
+            if i == n_first - 1:
+                for f, kind in refs:
+                    add(f, kind, None, None)
         return self.write(rows, base_info)
 
     def write(self, rows: list[dict[str, Any]], base_info: dict[str, Any]) -> dict[str, Any]:
