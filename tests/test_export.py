@@ -80,6 +80,30 @@ def exported(request, tmp_path_factory, smollm2_tok_dir):
     return arch, d, layouts, asg, res, root
 
 
+def test_sizes_without_a_badge_are_named_by_their_number(tmp_path):
+    from voodoo_quant.errors import ConfigError
+    from voodoo_quant.tools.export import ExportConfig, canonical_name
+
+    assert canonical_name("M", 45) == "M.Voodoo45_IQ2_M.gguf"
+    for n in (85, 90, 95):
+        assert canonical_name("M", n) == f"M.Voodoo{n}.gguf"
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    (tmp_path / "a.json").write_text("{}")
+    cfg = ExportConfig(model=tmp_path / "m", assignment=tmp_path / "a.json", output_dir=tmp_path, size_percent=95)
+    assert cfg.file_name() == "m.Voodoo95.gguf"
+    for bad in (0, -5, 401):
+        with pytest.raises(ConfigError, match="--size_percent"):
+            ExportConfig(model=tmp_path / "m", assignment=tmp_path / "a.json", output_dir=tmp_path, size_percent=bad)
+
+
+def test_every_type_has_a_file_type():
+    from voodoo_quant.tools.export import _TYPE_TO_FTYPE, _ftype
+
+    assert _ftype({"MXFP4": 3, "Q8_0": 1}) == qt.LLAMA_FTYPES["MXFP4_MOE"]
+    assert set(_TYPE_TO_FTYPE) == set(qt.QTYPES)
+
+
 def _tensors(path):
     return {t.name: t for t in converter.vendored_gguf().GGUFReader(path).tensors}
 
