@@ -75,6 +75,7 @@ def _one_line_error(r, *must: str) -> str:
     assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
     for m in must:
         assert m in lines[0], (m, lines[0])
+    print(lines[0])  # shown with -s: the refusal exactly as a user reads it
     return lines[0]
 
 
