@@ -6,6 +6,19 @@ from voodoo_quant.api import VoodooConfig, VoodooQuantizer
 from voodoo_quant.errors import ConfigError
 
 
+def test_facade_is_importable_from_the_package_root_and_cheap():
+    import subprocess
+    import sys
+
+    code = ("import sys, voodoo_quant; heavy = {'torch', 'transformers'} & set(sys.modules); "
+            "from voodoo_quant import VoodooQuantizer, VoodooConfig; "
+            "import voodoo_quant.api as api; assert VoodooQuantizer is api.VoodooQuantizer and VoodooConfig is api.VoodooConfig; "
+            "print(sorted(heavy))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "[]"  # `import voodoo_quant` pulls in neither torch nor transformers
+
+
 def test_config_validation():
     with pytest.raises(ConfigError, match="calib_texts"):
         VoodooConfig(calib_texts=[])

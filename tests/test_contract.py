@@ -75,6 +75,7 @@ def _one_line_error(r, *must: str) -> str:
     assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
     for m in must:
         assert m in lines[0], (m, lines[0])
+    print(lines[0])  # shown with -s: the refusal exactly as a user reads it
     return lines[0]
 
 
@@ -229,3 +230,39 @@ def test_export_refuses_other_base_weights_and_the_override_exports_anyway(train
     assert r.exit_code == 0, r.stderr
     assert "imatrix: " + res.assignment.imatrix in " ".join(r.stdout.split())
     shutil.rmtree(tmp_path / "o")
+
+
+def test_budget_counts_the_tensors_no_candidate_covers(tmp_path):
+    """No silent F32 in the size accounting either: a MoE's merged expert stacks (quantized by
+    stock llama-quantize, not selectable) are counted at the base type Q8_0, taken off the target
+    before the gates share it, and recorded in the assignment (export writes and checks them)."""
+    import transformers as T
+
+    from voodoo_quant.budget import BASE_TYPE
+    from voodoo_quant.training.config import TrainConfig
+    from voodoo_quant.training.trainer import Trainer
+
+    torch.manual_seed(0)
+    T.Qwen3MoeForCausalLM(T.Qwen3MoeConfig(
+        vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=256, num_experts=4,
+        num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        tie_word_embeddings=True, max_position_embeddings=128)).save_pretrained(tmp_path / "moe")
+    (tmp_path / "data").mkdir()
+    torch.save(torch.randint(0, 512, (8, 40), generator=torch.Generator().manual_seed(1)),
+               tmp_path / "data" / "train_tokens.pt")
+    kw = dict(model=str(tmp_path / "moe"), data_dir=str(tmp_path / "data"), seq_len=32, batch_size=2, max_steps=2,
+              candidate_types=("Q8_0", "Q4_K", "Q2_K"), output_dir=str(tmp_path / "run"), guarantee=False, search_evals=0)
+    exps = {f"blk.{b}.ffn_{k}_exps.weight" for b in range(2) for k in ("gate", "up", "down")}
+    per = qt.tensor_bytes("Q8_0", (4, 256, 256))
+    # The experts alone weigh more than 0.8 of the whole at Q8_0 allows the rest: refused, naming them.
+    from voodoo_quant.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=f"6 tensor\\(s\\) no candidate covers, fixed at Q8_0: {6 * per:,} bytes"):
+        Trainer(TrainConfig(compression_ratio=0.8, **kw)).prepare(build=False)
+    tr = Trainer(TrainConfig(compression_ratio=0.9, **kw))
+    res = tr.train()
+    b = tr.run.budget
+    assert {n for n, _, _ in b.fixed} == exps and b.fixed_bytes == 6 * per
+    assert b.target_bytes == round(0.9 * (b.q8_bytes + 6 * per)) - 6 * per
+    assert res.assignment.fixed == {n: [BASE_TYPE, per] for n in exps}
+    assert Assignment.load(tmp_path / "run" / "assignment.json").fixed == res.assignment.fixed

@@ -80,6 +80,30 @@ def exported(request, tmp_path_factory, smollm2_tok_dir):
     return arch, d, layouts, asg, res, root
 
 
+def test_sizes_without_a_badge_are_named_by_their_number(tmp_path):
+    from voodoo_quant.errors import ConfigError
+    from voodoo_quant.tools.export import ExportConfig, canonical_name
+
+    assert canonical_name("M", 45) == "M.Voodoo45_IQ2_M.gguf"
+    for n in (85, 90, 95):
+        assert canonical_name("M", n) == f"M.Voodoo{n}.gguf"
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    (tmp_path / "a.json").write_text("{}")
+    cfg = ExportConfig(model=tmp_path / "m", assignment=tmp_path / "a.json", output_dir=tmp_path, size_percent=95)
+    assert cfg.file_name() == "m.Voodoo95.gguf"
+    for bad in (0, -5, 401):
+        with pytest.raises(ConfigError, match="--size_percent"):
+            ExportConfig(model=tmp_path / "m", assignment=tmp_path / "a.json", output_dir=tmp_path, size_percent=bad)
+
+
+def test_every_type_has_a_file_type():
+    from voodoo_quant.tools.export import _TYPE_TO_FTYPE, _ftype
+
+    assert _ftype({"MXFP4": 3, "Q8_0": 1}) == qt.LLAMA_FTYPES["MXFP4_MOE"]
+    assert set(_TYPE_TO_FTYPE) == set(qt.QTYPES)
+
+
 def _tensors(path):
     return {t.name: t for t in converter.vendored_gguf().GGUFReader(path).tensors}
 
@@ -177,3 +201,53 @@ def test_perplexity_llama_cpp_equals_torch(exported, shakespeare_text_file):
     rel = abs(ppl_cpp - ppl_torch) / ppl_torch
     print(f"\n{arch}: PPL llama.cpp {ppl_cpp:.4f} torch {ppl_torch:.4f} rel diff {rel:.2e}")
     assert rel <= PPL_TOL, f"{arch}: llama.cpp PPL {ppl_cpp} vs torch {ppl_torch} ({rel:.2%})"
+
+
+@pytest.mark.slow
+def test_quantizable_tensors_off_the_assignment_are_written_as_stock_base_type(tmp_path, smollm2_tok_dir):
+    """No silent F32: a MoE's expert tensors (the converter merges per-expert weights, so they are
+    not selectable) are quantized by stock llama-quantize; export writes them as its base type
+    Q8_0 would, reports them and counts their bytes. The whole file equals llama-quantize's."""
+    import torch
+    import transformers as T
+
+    from voodoo_quant.imatrix import Entry, Imatrix
+    from voodoo_quant.tools.export import BASE_TYPE, ExportConfig, export
+
+    torch.manual_seed(0)
+    d = tmp_path / "Tiny-moe"
+    T.Qwen3MoeForCausalLM(T.Qwen3MoeConfig(
+        vocab_size=49152, hidden_size=256, intermediate_size=512, moe_intermediate_size=256, num_experts=4,
+        num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        tie_word_embeddings=True, max_position_embeddings=512, bos_token_id=1, eos_token_id=2)).save_pretrained(d)
+    for f in smollm2_tok_dir.iterdir():
+        shutil.copy(f, d / f.name)
+    layouts = model_layouts(d)
+    rng = np.random.default_rng(0)
+    choices, entries = {}, {}
+    for i, (n, lay) in enumerate(sorted(layouts.items())):
+        if lay.quantizable:
+            q = TYPES[i % len(TYPES)]
+            choices[n] = TensorChoice(name=n, qtype=q, shape=lay.hf_shape, gguf_name=lay.gguf_name,
+                                      nbytes=qt.tensor_bytes(q, (lay.n_rows, lay.n_per_row)))
+            entries[lay.gguf_name] = Entry(sums=rng.uniform(0.1, 10, lay.n_per_row).astype(np.float32) * 5,
+                                           counts=np.array([5]))
+    Imatrix(entries=entries, datasets=["synthetic"], chunk_count=1, chunk_size=512).save_gguf(tmp_path / "im.gguf")
+    asg = provenance.stamp(Assignment(tensors=choices, model=str(d)), d, imatrix=tmp_path / "im.gguf")
+    res = export(ExportConfig(model=d, assignment=asg, output_dir=tmp_path / "out", output_name="moe.gguf",
+                              keep_f32=True))
+    exps = {f"blk.{b}.ffn_{k}_exps.weight" for b in range(2) for k in ("gate", "up", "down")}
+    assert set(res.fixed) == exps and set(res.fixed.values()) == {BASE_TYPE}
+    ours = _tensors(res.path)
+    assert res.fixed_bytes == sum(int(ours[n].n_bytes) for n in exps) == 6 * qt.tensor_bytes("Q8_0", (4, 256, 256))
+    assert all(tuple(int(s) for s in ours[n].shape) == (256, 256, 4) for n in exps)  # still 3-D
+    stock = tmp_path / "stock.gguf"
+    p = subprocess.run([str(paths.tool_path("llama-quantize")), "--tensor-type-file", str(res.tensor_type_file),
+                        "--imatrix", str(tmp_path / "im.gguf"), str(res.f32_gguf), str(stock), BASE_TYPE, "2"],
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-2000:]
+    theirs = _tensors(stock)
+    assert sorted(ours) == sorted(theirs)
+    diff = [n for n in ours if ours[n].tensor_type != theirs[n].tensor_type
+            or not np.array_equal(np.asarray(ours[n].data).view(np.uint8), np.asarray(theirs[n].data).view(np.uint8))]
+    assert not diff, f"{len(diff)} tensor(s) differ from llama-quantize, e.g. {diff[:3]}"

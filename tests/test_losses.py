@@ -102,7 +102,8 @@ def test_logit_transforms_fall_back_to_whole_logits(run):
 def test_grad_accum_log_file_teacher_device_and_finalize(gate_model_dir, tmp_path):
     log = tmp_path / "logs" / "run.jsonl"
     cfg = _cfg(gate_model_dir, tmp_path / "a", max_steps=3, grad_accum_steps=2, loss_chunk_size=16,
-               teacher_device="cpu", log_file=str(log), partial_save_interval=1)
+               teacher_device="cpu", log_file=str(log), partial_save_interval=1,
+               guarantee=False, search_evals=0)  # finalize redoes the bake only: compare it with a bake
     res = Trainer(cfg).train()
     lines = [json.loads(x) for x in log.read_text().splitlines()]
     assert [ln["step"] for ln in lines] == [1, 2, 3]

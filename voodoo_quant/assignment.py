@@ -48,6 +48,9 @@ class Assignment:
     ggml_version: str | None = None
     menus: dict[str, list[str]] | None = None  # requested candidate types per role
     base_checkpoint: str | None = None  # the --base_checkpoint whose weights replaced the model's
+    # quantizable tensors no candidate covers, written as llama-quantize's base type (budget.py):
+    # {GGUF name: [type, bytes]}; None = not recorded (hand-made assignments)
+    fixed: dict[str, list] | None = None
     format_version: int = FORMAT_VERSION  # of the file it was read from
 
     PROVENANCE = ("weights_sha256", "ggml_version", "menus")
@@ -92,6 +95,7 @@ class Assignment:
             "ggml_version": self.ggml_version,
             "menus": self.menus,
             "base_checkpoint": self.base_checkpoint,
+            "fixed": self.fixed,
             "total_bytes": self.total_bytes,
             "bpw": round(self.bpw, 4),
             "meta": self.meta,
@@ -118,6 +122,7 @@ class Assignment:
                 ggml_version=d.get("ggml_version"),
                 menus=d.get("menus"),
                 base_checkpoint=d.get("base_checkpoint"),
+                fixed=d.get("fixed"),
                 format_version=int(d["format_version"]),
             )
         except CorruptFileError:

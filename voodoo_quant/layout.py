@@ -242,9 +242,14 @@ def _bid(name: str) -> int | None:
     return None
 
 
-def model_layouts(model_dir: str | Path, *, min_dims: int = 2) -> dict[str, TensorLayout]:
+def model_layouts(model_dir: str | Path, *, min_dims: int = 2,
+                  unmapped: dict[str, tuple[int, ...]] | None = None) -> dict[str, TensorLayout]:
     """{checkpoint tensor name: layout} for every >= `min_dims`-D tensor the converter maps to
-    exactly one GGUF tensor by a permutation. Names the converter drops are absent."""
+    exactly one GGUF tensor by a permutation. Names the converter drops are absent.
+
+    `unmapped`, when given, receives {GGUF name: shape (numpy order)} of the converter's outputs
+    that got no layout (merged expert stacks, splits, arithmetic on an index it still returns):
+    tensors the GGUF holds that no training candidate can stand for."""
     import torch
 
     model_dir = Path(model_dir)
@@ -263,14 +268,15 @@ def model_layouts(model_dir: str | Path, *, min_dims: int = 2) -> dict[str, Tens
             except Exception:  # arithmetic on an integer tensor etc.: not a pure re-layout
                 continue
             if len(results) != 1:
+                _note_unmapped(unmapped, results)
                 continue
             gguf_name, t = results[0]
             arr = t.numpy() if hasattr(t, "numpy") else np.asarray(t)
             flat = arr.reshape(-1)
             n = int(np.prod(shape, dtype=np.int64))
-            if flat.size != n or flat.dtype.kind not in "iu" or flat.min() < 0 or flat.max() >= n:
-                continue
-            if not (np.bincount(flat, minlength=n) == 1).all():
+            if flat.size != n or flat.dtype.kind not in "iu" or flat.min() < 0 or flat.max() >= n \
+                    or not (np.bincount(flat, minlength=n) == 1).all():
+                _note_unmapped(unmapped, results)
                 continue
             gshape = tuple(int(s) for s in arr.shape)
             hf2d = (int(shape[0]), n // int(shape[0]))
@@ -280,6 +286,13 @@ def model_layouts(model_dir: str | Path, *, min_dims: int = 2) -> dict[str, Tens
                 quantizable=llama_quantize_allows(gguf_name, ggml_n_dims(gshape[::-1])), **fac,
             )
     return out
+
+
+def _note_unmapped(unmapped: dict | None, results) -> None:
+    if unmapped is None:
+        return
+    for gguf_name, t in results:
+        unmapped[gguf_name] = tuple(int(x) for x in t.shape)
 
 
 def find_layout(layouts: dict[str, TensorLayout], hf_name: str) -> TensorLayout | None:

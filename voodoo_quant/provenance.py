@@ -91,7 +91,7 @@ def menus_record(menus) -> dict[str, list[str]]:
     return {role: list(menus.types_for(role)) for role in ("attention", "other")}
 
 
-def run_record(cfg, plans, base_model, imatrix_sha256: str | None) -> dict[str, Any]:
+def run_record(cfg, plans, base_model, imatrix_sha256: str | None, budget=None) -> dict[str, Any]:
     """The provenance fields of an :class:`~voodoo_quant.assignment.Assignment` made by a run
     (computed once, in ``Trainer.prepare``, from the float32 base weights)."""
     return {
@@ -101,6 +101,8 @@ def run_record(cfg, plans, base_model, imatrix_sha256: str | None) -> dict[str, 
         "ggml_version": ggml_version(),
         "menus": menus_record(cfg.menus),
         "base_checkpoint": str(Path(cfg.base_checkpoint).resolve()) if cfg.base_checkpoint else None,
+        # quantizable tensors no candidate covers, as the budget counted them: {GGUF name: [type, bytes]}
+        "fixed": {n: [t, b] for n, t, b in getattr(budget, "fixed", ())},
     }
 
 
@@ -159,6 +161,17 @@ def resolve_imatrix(asg, given: Any, *, allow: bool):
         refuse_or_warn(f"imatrix mismatch: the assignment was trained with {rec_path} (sha256 {rec_sha}), "
                        f"{what} has sha256 {got}", allow)
     return loaded
+
+
+def check_fixed(asg, fixed: Mapping[str, str], *, allow: bool) -> None:
+    """Refuse when export would write other not-covered tensors than the budget counted."""
+    if asg.fixed is None:
+        return
+    rec = {n: t for n, (t, _) in asg.fixed.items()}
+    if rec != dict(fixed):
+        diff = sorted(set(rec.items()) ^ set(fixed.items()))
+        refuse_or_warn(f"fixed tensors mismatch: training counted {len(rec)} tensor(s) no candidate covers, export "
+                       f"finds {len(fixed)} (first difference: {diff[0][0]} {diff[0][1]})", allow)
 
 
 def check_weights(asg, actual: str, *, model: Path, base_checkpoint: Path | None, allow: bool) -> None:

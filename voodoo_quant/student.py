@@ -130,8 +130,9 @@ def converter_layouts(model_dir: str) -> LayoutProvider | None:
     converter does not know the model (then rows are taken as they are; export is impossible)."""
     from .layout import find_layout, model_layouts
 
+    unmapped: dict[str, tuple[int, ...]] = {}
     try:
-        layouts = model_layouts(model_dir)
+        layouts = model_layouts(model_dir, unmapped=unmapped)
     except Exception as e:  # the converter refuses the architecture, or no HF dir
         log.warning("llama.cpp's converter cannot map %s (%s); using the weights' own rows", model_dir,
                     (str(e).splitlines() or [type(e).__name__])[0])
@@ -143,7 +144,27 @@ def converter_layouts(model_dir: str) -> LayoutProvider | None:
             return None  # the converter drops it or llama-quantize never quantizes it
         return ConverterLayout(lay)
 
+    provider.layouts = layouts
+    provider.unmapped = unmapped
     return provider
+
+
+def fixed_tensors(plans: Sequence["TensorPlan"], layout_for) -> dict[str, tuple[int, ...]]:
+    """{GGUF name: shape} of the tensors stock llama-quantize would quantize that no plan covers
+    (not a Linear/Embedding weight, or a converter transform that is no permutation: a MoE's
+    merged expert stacks). Export writes them as llama-quantize's base type (``budget.BASE_TYPE``)
+    and the budget counts them. Empty without the converter's layout map."""
+    from .layout import ggml_n_dims, llama_quantize_allows
+
+    planned = {p.gguf_name for p in plans}
+    out: dict[str, tuple[int, ...]] = {}
+    for lay in getattr(layout_for, "layouts", {}).values():
+        if lay.quantizable and lay.gguf_name not in planned:
+            out[lay.gguf_name] = tuple(lay.gguf_shape)
+    for name, shape in getattr(layout_for, "unmapped", {}).items():
+        if name not in planned and llama_quantize_allows(name, ggml_n_dims(shape[::-1])):
+            out[name] = tuple(shape)
+    return dict(sorted(out.items()))
 
 
 def plan_model(

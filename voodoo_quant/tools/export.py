@@ -30,6 +30,7 @@ import numpy as np
 from .. import converter, faults, fileio, ggml, provenance
 from .. import qtypes as qt
 from ..assignment import Assignment
+from ..budget import BASE_TYPE, base_type_for
 from ..errors import ConfigError, CorruptFileError, QuantizationInputError
 from ..layout import checkpoint_tensors, find_layout, ggml_n_dims, llama_quantize_allows, model_layouts
 
@@ -46,11 +47,7 @@ _TYPE_TO_FTYPE = {
     "MXFP4": "MXFP4_MOE",
 }
 assert set(_TYPE_TO_FTYPE) == set(qt.QTYPES), sorted(set(qt.QTYPES) ^ set(_TYPE_TO_FTYPE))
-# The base type given to stock llama-quantize beside our --tensor-type-file (tests/test_export.py):
-# what it writes for a quantizable tensor no pattern names. At ftype Q8_0 llama_tensor_get_type
-# moves no tensor of a dense model off Q8_0 (an 8-expert model's attn_v/attn_k go to Q8_0 too),
-# and a row that is not a multiple of 32 falls back to F16 (tensor_type_fallback).
-BASE_TYPE = "Q8_0"
+
 log = logging.getLogger(__name__)
 
 # GGUF header fields the reader synthesizes, and the one GGUFWriter writes itself.
@@ -268,7 +265,7 @@ def export(cfg: ExportConfig) -> ExportResult:
             q = selected.get(t.name)
             if q is None and llama_quantize_allows(t.name, ggml_n_dims(ne)):
                 # Stock llama-quantize would quantize it; the assignment does not cover it.
-                q = fixed[t.name] = qt.resolve_for_row(BASE_TYPE, shape[-1]).name
+                q = fixed[t.name] = base_type_for(shape)
                 fixed_bytes += qt.tensor_bytes(q, shape)
             if q is not None and t.name in fixed:
                 nbytes = qt.tensor_bytes(q, shape)
@@ -297,6 +294,7 @@ def export(cfg: ExportConfig) -> ExportResult:
             all_bytes += nbytes
             plan.append((t, shape, q, nbytes))
 
+        provenance.check_fixed(asg, fixed, allow=cfg.allow_mismatch)
         file_bpw = 8.0 * all_bytes / max(1, n_all)
         bpw = 8.0 * sel_bytes / max(1, n_sel)
 

@@ -17,7 +17,9 @@ from ..arch.base import ArchAdapter
 from ..budget import Budget, make_budget
 from ..errors import ConfigError, CorruptFileError
 from ..layers import MixedQuant
-from ..student import TensorPlan, attach_all, build_mixed, candidate_bytes, plan_model, prior_logits, selectable_weights
+from ..student import (
+    TensorPlan, attach_all, build_mixed, candidate_bytes, fixed_tensors, plan_model, prior_logits, selectable_weights,
+)
 from .config import TrainConfig
 
 log = logging.getLogger(__name__)
@@ -262,6 +264,7 @@ def plan_run(cfg: TrainConfig, model: nn.Module, imx=None) -> tuple[ArchAdapter,
         target_bits=cfg.target_bits,
         budget_reduction=cfg.budget_reduction,
         tolerance=cfg.size_tolerance,
+        fixed=fixed_tensors(plans, layout_for),  # quantizable, not selectable: counted at the base type
     )
     return adapter, plans, budget
 

@@ -115,7 +115,7 @@ class Trainer:
         self.run = RunSetup(cfg, adapter, base, teacher, tokens, plans, budget, mixed, {}, device, dtype,
                             teacher_device=resolve_device(cfg.teacher_device) if cfg.teacher_device else device,
                             tp=tp, tp_plan=tp_plan)
-        self.run.provenance = provenance.run_record(cfg, plans, base, getattr(imx, "sha256", None))  # before any cast
+        self.run.provenance = provenance.run_record(cfg, plans, base, getattr(imx, "sha256", None), budget)  # before any cast
         if build and cfg.method == "gates" and tp is None:
             self.run.tokens, self.run.held_tokens = hold_aside(tokens, cfg.search_sequences)
         if cfg.needs_sensitivity:
