@@ -140,20 +140,28 @@ def command_line(c) -> str:
     argv = ["voodoo", "quantize", "--model", str(c.model), "--text", *c.texts, "--sizes", *map(str, c.sizes),
             "--output_dir", str(c.output_dir), "--model_name", c.model_name, "--seq_len", str(c.seq_len),
             "--steps", str(c.steps), "--seed", str(c.seed), "--calib_sequences", str(c.calib_sequences)]
+    if c.eval_fraction != 0.1:
+        argv += ["--eval_fraction", str(c.eval_fraction)]
     if c.glob != "*":
         argv += ["--glob", c.glob]
     if c.degrid_seed is not None:
         argv += ["--degrid_seed", str(c.degrid_seed)]
     if c.candidate_types:
         argv += ["--candidate_types", *c.candidate_types]
-    if c.stock:
+    if not c.eval:
+        argv += ["--no_eval"]
+    else:
         argv += ["--stock", *c.stock]
-    if c.eval_chunks is not None:
-        argv += ["--eval_chunks", str(c.eval_chunks)]
+        if c.eval_chunks is not None:
+            argv += ["--eval_chunks", str(c.eval_chunks)]
     return shlex.join(argv)
 
 
 def write_card(ladder, files: dict[int, Path], result: dict[str, Any] | None) -> Path:
     from .quantize import CARD_NAME
 
-    return fileio.write_text(ladder.cfg.output_dir / CARD_NAME, render(ladder, files, result))
+    path = ladder.cfg.output_dir / CARD_NAME
+    text = render(ladder, files, result)
+    if not (path.is_file() and path.read_text(encoding="utf-8") == text):
+        fileio.write_text(path, text)
+    return path

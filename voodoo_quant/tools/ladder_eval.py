@@ -73,7 +73,10 @@ def evaluate_ladder(ladder, files: list[tuple[Path, str, int | None]]) -> dict[s
     out = c.output_dir
     from .quantize import EVAL_NAME, PLOT_NAME
 
-    fileio.write_json(out / EVAL_NAME, result)
-    fields = set(EvalRow.__dataclass_fields__)
-    plot_pareto([EvalRow(**{k: v for k, v in r.items() if k in fields}) for r in rows], out / PLOT_NAME)
+    # Rewritten only when the numbers changed: a rerun with nothing to do touches no file.
+    if not ((out / EVAL_NAME).is_file() and (out / PLOT_NAME).is_file()
+            and fileio.read_json(out / EVAL_NAME, what="eval JSON") == result):
+        fileio.write_json(out / EVAL_NAME, result)
+        fields = set(EvalRow.__dataclass_fields__)
+        plot_pareto([EvalRow(**{k: v for k, v in r.items() if k in fields}) for r in rows], out / PLOT_NAME)
     return result

@@ -11,11 +11,11 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from .. import envs, fileio
 from .. import qtypes as qt
@@ -95,7 +95,13 @@ def reachable(src: Path, menus, text_model_class: str | None = None) -> tuple[in
         lay = layout_for(name, shape) if layout_for else IdentityLayout(adapter.gguf_name(name), shape)
         if lay is not None and lay.gguf_name and lay.gguf_name not in _NOT_RECORDED:
             covered.add(lay.gguf_name)
-    plans = plan_model(model, adapter, menus, imatrix_names=covered, layout_for=layout_for)
+    quiet = logging.getLogger("voodoo_quant.student")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # menu notes are the trainer's to log, once per size
+    try:
+        plans = plan_model(model, adapter, menus, imatrix_names=covered, layout_for=layout_for)
+    finally:
+        quiet.setLevel(level)
     q8 = sum(qt.resolve_for_row("Q8_0", p.n_per_row).row_bytes(p.n_per_row) * p.rows for p in plans)
     n_params = sum(p.numel() for p in model.parameters())
     return (q8, sum(min(p.sizes) for p in plans), sum(max(p.sizes) for p in plans), n_params,
@@ -168,6 +174,19 @@ def _free_needs(cfg, q8: int, n_params: int, cache_need: int) -> dict[Path, tupl
             default_root(): (cache_need, "the candidate cache")}
 
 
+def check_space(needs: dict[Path, tuple[int, str]]) -> None:
+    """Refuse when a file system lacks room for what is to be written on it (directories on one
+    file system are summed)."""
+    by_dev: dict[int, list[tuple[Path, int, str]]] = {}
+    for d, (n, what) in needs.items():
+        probe = Path(d)
+        while not probe.exists() and probe != probe.parent:
+            probe = probe.parent
+        by_dev.setdefault(os.stat(probe).st_dev, []).append((Path(d), n, what))
+    for group in by_dev.values():
+        fileio.ensure_free_space(group[0][0], sum(n for _, n, _ in group), what=" and ".join(w for _, _, w in group))
+
+
 def preflight(cfg) -> Preflight:
     from .. import paths
 
@@ -182,20 +201,8 @@ def preflight(cfg) -> Preflight:
     if cfg.eval:
         paths.tool_path("llama-quantize")
         paths.tool_path("llama-perplexity")
-    needs = _free_needs(cfg, q8, n_params, cache_need)  # every candidate lands in the cache (cached ones counted too)
-    dev = {}
-    for d, (n, what) in needs.items():
-        probe = Path(d)
-        while not probe.exists() and probe != probe.parent:
-            probe = probe.parent
-        dev.setdefault(os.stat(probe).st_dev, []).append((Path(d), n, what))
-    for group in dev.values():
-        total = sum(n for _, n, _ in group)
-        fileio.ensure_free_space(group[0][0], total, what=" and ".join(w for _, _, w in group))
+    check_space(_free_needs(cfg, q8, n_params, cache_need))  # every candidate lands in the cache (cached ones too)
     lic, base = _source_card_fields(src)
     sha = source_sha(src, out / "work")
     return Preflight(sha, texts, evals, cfg.threads or envs.quant_workers(), q8, lo, hi, n_params, lic, base)
 
-
-def summary(pre: Preflight) -> dict[str, Any]:
-    return {"q8_bytes": pre.q8_bytes, "min_bytes": pre.min_bytes, "max_bytes": pre.max_bytes, "params": pre.n_params}

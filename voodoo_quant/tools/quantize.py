@@ -240,6 +240,7 @@ class Ladder:
         self.ran: list[str] = []
         self.skipped: list[str] = []
         self.seconds: dict[str, float] = {}
+        self.notes: dict[str, str] = {}
         self.data_dir = self.work / "data"
         src = Path(cfg.model)
         self.make_hf = src.suffix.lower() == ".gguf" or cfg.degrid_seed is not None
@@ -266,7 +267,7 @@ class Ladder:
         self.m.finish(name, key, inputs, outputs(), dt)
         self.ran.append(name)
         self.seconds[name] = round(dt, 1)
-        self.ui.end(name, f"{dt:.0f} s")
+        self.ui.end(name, f"{dt:.0f} s" + (f" ({self.notes[name]})" if name in self.notes else ""))
         return key
 
     # -- steps ---------------------------------------------------------------------------------
@@ -351,7 +352,11 @@ class Ladder:
         def body() -> None:
             if shared.is_file() and not (run / TABLE_NAME).is_file():
                 fileio.write_bytes(run / TABLE_NAME, shared.read_bytes())  # the trainer checks its key
-            run_training(tcfg, self.ui.advance, self._teacher_cache_dir() if self.cfg.share_teacher_forward else None)
+            _, cache = run_training(tcfg, self.ui.advance,
+                                    self._teacher_cache_dir() if self.cfg.share_teacher_forward else None)
+            if cache is not None:
+                self.notes[f"train-Voodoo{size}"] = (f"teacher forward from the cache for {cache.hits} of "
+                                                     f"{cache.hits + cache.misses} batches")
             if (run / TABLE_NAME).is_file() and not shared.is_file():
                 fileio.write_bytes(shared, (run / TABLE_NAME).read_bytes())
 
@@ -421,15 +426,17 @@ class Ladder:
 
 
 def run_training(tcfg, on_step: Callable[[], None], teacher_cache: Path | None):
-    """`voodoo train` through TrainConfig + Trainer; the teacher behind the hidden-state cache."""
+    """`voodoo train` through TrainConfig + Trainer, the teacher behind the hidden-state cache in
+    `teacher_cache` (None: no cache). Returns (TrainResult, the cache or None)."""
     from ..training.teacher_cache import wrap_teacher
     from ..training.trainer import Trainer
 
     trainer = Trainer(tcfg, on_step=lambda m: on_step(), progress=False)
     run = trainer.prepare()
+    cache = None
     if teacher_cache is not None and run.tp is None:
-        run.teacher, _ = wrap_teacher(run.teacher, teacher_cache)
-    return trainer.train()
+        run.teacher, cache = wrap_teacher(run.teacher, teacher_cache)
+    return trainer.train(), cache
 
 
 def step_count(cfg: QuantizeConfig) -> int:
@@ -443,6 +450,10 @@ def quantize(cfg: QuantizeConfig, *, progress: bool = True) -> QuantizeResult:
     """Run (or resume) the ladder; bad input is refused before any step starts."""
     from .preflight import preflight
 
+    if progress:  # one display: the libraries' own per-file bars would break it up
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     pre = preflight(cfg)
     with _Display(progress, step_count(cfg)) as ui:
         return Ladder(cfg, ui, pre).run()
