@@ -77,6 +77,11 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """A model and text → a ladder of Voodoo GGUFs, evaluated against stock recipes, with a model card.
         Extra `voodoo train` flags go after `--`."""
+        import os
+
+        # One display for the whole ladder: tqdm bars of the libraries it calls (transformers'
+        # GGUF loader) would break it up. Read by tqdm when it is first imported, i.e. below.
+        os.environ.setdefault("TQDM_DISABLE", "1")
         from ..tools.quantize import QuantizeConfig, quantize as run
         from .quantize_report import print_summary
 
