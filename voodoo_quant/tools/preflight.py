@@ -134,7 +134,8 @@ def _source_card_fields(src: Path) -> tuple[str | None, str | None]:
             f = r.fields.get(k)
             return str(f.contents()) if f is not None else None
 
-        base = get("general.base_model.0.repo_url") or get("general.base_model.0.name") or get("general.name")
+        # A hub's base_model is a repo id: general.name is a free-form title, not one.
+        base = get("general.base_model.0.repo_url") or get("general.base_model.0.name")
         if base and base.startswith("https://huggingface.co/"):
             base = base[len("https://huggingface.co/"):]
         return get("general.license"), base

@@ -44,7 +44,7 @@ FLOOR = "Q8_0"  # always measured: the KLD floor of every table
 _OWNED = {"model", "data_dir", "data_name", "output_dir", "output_name", "imatrix", "compression_ratio", "target_bits",
           "max_steps", "seq_len", "candidate_types", "attention_candidates", "non_attention_candidates", "seed",
           "device", "dtype", "lazy", "batch_size", "dry_run", "tensor_parallel", "finalize_from_partial",
-          "resume_from_partial", "log_file"}
+          "resume_from_partial", "log_file", "text_model_class"}
 
 
 @dataclass
