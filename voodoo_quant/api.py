@@ -1,4 +1,12 @@
-"""A small facade for notebooks: quantize an already loaded model to a target size, save a GGUF.
+"""The Python API.
+
+A whole ladder, exactly as ``voodoo quantize`` (the same config dataclass):
+
+    from voodoo_quant.api import QuantizeConfig, quantize
+    result = quantize(QuantizeConfig(model="./MyModel", texts=["corpus/"], sizes=(30, 45, 60), output_dir="out"))
+    result.files  # {30: Path("out/MyModel.Voodoo30_IQ2_XXS.gguf"), ...}; out/README.md is the card
+
+A small facade for notebooks: quantize an already loaded model to a target size, save a GGUF.
 
     q = VoodooQuantizer(model, tokenizer, VoodooConfig(compression_ratio=0.6, calib_texts=texts))
     q.quantize().save("out/MyModel.Voodoo60_IQ3_M.gguf")
@@ -17,6 +25,7 @@ from typing import Any, Sequence
 
 from .errors import ConfigError
 from .menus import DEFAULT_CANDIDATES
+from .tools.quantize import QuantizeConfig, QuantizeResult, quantize  # noqa: F401  (the ladder: `voodoo quantize`)
 
 
 @dataclass

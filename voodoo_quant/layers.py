@@ -29,15 +29,36 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 class _Mix(torch.autograd.Function):
-    """W = Σ_k p_k W_k with dL/dp_k = <dL/dW, W_k>; W_k produced on demand by `get`."""
+    """W = Σ_k p_k W_k with dL/dp_k = <dL/dW, W_k>; `get` is the stacked (K, *shape) candidates
+    (eager) or a callable k -> W_k producing them on demand (lazy).
+
+    Eager float32 candidates: the sum is one matrix-vector product over the stack, p @ W.view(K, -1)
+    (one pass over the candidates, no temporaries; on the CPU it gives the same bits as the
+    sequential sum below, tests/test_layers.py checks lazy == eager exactly). Otherwise the
+    candidates are summed in order into one buffer, each product rounded to the accumulation
+    dtype and then added, exactly as before, without allocating a temporary per candidate.
+    Backward takes one dot product per candidate (no [shape] temporary either way), the same
+    call for eager and lazy candidates.
+    """
 
     @staticmethod
-    def forward(ctx, p: torch.Tensor, get: CandidateFn, k_count: int, dtype: torch.dtype) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, p: torch.Tensor, get, k_count: int, dtype: torch.dtype) -> torch.Tensor:  # type: ignore[override]
         acc = _acc_dtype(dtype)  # accumulate in at least float32
-        out = None
-        for k in range(k_count):
-            term = get(k).to(acc) * p[k].to(acc)
-            out = term if out is None else out.add_(term)
+        stacked = get if isinstance(get, torch.Tensor) else None
+        if stacked is not None and stacked.dtype == acc:
+            out = (p.to(acc) @ stacked.reshape(k_count, -1)).reshape(stacked.shape[1:])
+        else:
+            cand = (lambda k: stacked[k]) if stacked is not None else get
+            out = buf = None
+            for k in range(k_count):
+                w = cand(k)
+                if out is None:
+                    out = torch.empty(w.shape, dtype=acc, device=w.device)
+                    buf = torch.empty_like(out)
+                    out.copy_(w).mul_(p[k].to(acc))
+                else:
+                    buf.copy_(w).mul_(p[k].to(acc))
+                    out.add_(buf)
         ctx.acc = acc
         ctx.get = get
         ctx.k_count = k_count
@@ -47,8 +68,10 @@ class _Mix(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_w: torch.Tensor):  # type: ignore[override]
         (p,) = ctx.saved_tensors
-        g = grad_w.to(ctx.acc)
-        grads = torch.stack([(g * ctx.get(k).to(ctx.acc)).sum() for k in range(ctx.k_count)])
+        g = grad_w.to(ctx.acc).reshape(-1)
+        get = ctx.get
+        cand = (lambda k: get[k]) if isinstance(get, torch.Tensor) else get
+        grads = torch.stack([torch.dot(g, cand(k).to(ctx.acc).reshape(-1)) for k in range(ctx.k_count)])
         return grads.to(p.dtype), None, None, None
 
 
@@ -154,7 +177,8 @@ class MixedQuant(nn.Module):
             return get(0).to(self.dtype) if p is None else _Mix.apply(p, get, k, self.dtype)
         if self.baked is not None:
             return self._get(self.baked).to(self.dtype)
-        return _Mix.apply(self.probs(), self._get, self.k, self.dtype)
+        src = self.stacked if self.stacked is not None else self._get
+        return _Mix.apply(self.probs(), src, self.k, self.dtype)
 
 
 def attach(module: nn.Module, mq: MixedQuant) -> None:

@@ -39,7 +39,7 @@ def _root(
 
 
 # Order = order in --help. Each module defines register(app).
-COMMAND_MODULES = ("data", "make_teacher", "imatrix", "precache", "train", "tp", "export", "eval", "doctor")
+COMMAND_MODULES = ("quantize", "data", "make_teacher", "imatrix", "precache", "train", "tp", "export", "eval", "doctor")
 for _name in COMMAND_MODULES:
     importlib.import_module(f"{__package__}.{_name}").register(app)
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
-LIST_FLAGS = frozenset({"candidate_types", "attention_candidates", "non_attention_candidates"})
+LIST_FLAGS = frozenset({"candidate_types", "attention_candidates", "non_attention_candidates",
+                        "sizes", "stock", "text", "eval_text"})  # the last four: `voodoo quantize`
 
 
 def _key(flag: str) -> str:

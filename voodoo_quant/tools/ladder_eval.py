@@ -1,0 +1,82 @@
+"""The ladder's evaluation: every file against the F32 reference in stock ``llama-perplexity``.
+
+The reference's log-probs on the held-out text are computed once (``--kl-divergence-base``) and
+kept under ``work/eval``, keyed by the reference, the eval tokens and the settings; each file's
+statistics are kept as one JSON row keyed by that base and by the file's own step key, so adding
+a size to a ladder evaluates only the new file. Writes ``eval.json`` (the same row fields as
+``voodoo eval --output_json``) and the Pareto plot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from .. import fileio
+from .evaluate import EvalRow, detokenize, parse_final_ppl, parse_kld_report, plot_pareto
+from .llama_tools import gguf_tensor_stats, run_tool
+from .manifest import digest
+
+
+def _args(ladder) -> list[str]:
+    c = ladder.cfg
+    a = ["-c", str(c.eval_ctx), "-t", str(ladder.pre.threads)]
+    if c.eval_chunks is not None:
+        a += ["--chunks", str(c.eval_chunks)]
+    return a
+
+
+def evaluate_ladder(ladder, files: list[tuple[Path, str, int | None]]) -> dict[str, Any]:
+    """files: (GGUF, "voodoo" | "stock", size or None). Returns the eval.json dict."""
+    c = ladder.cfg
+    ev = ladder.work / "eval"
+    text = ev / "eval_text.txt"
+    base_key = digest({"reference": ladder.keys["reference"], "data": ladder.keys["data"], "ctx": c.eval_ctx,
+                       "chunks": c.eval_chunks})
+    base = ev / f"base-{base_key}.kld"
+    info = ev / f"base-{base_key}.json"
+
+    def make_base() -> None:
+        detokenize(ladder.data_dir / "eval_tokens.pt", ladder.teacher_hf, text)
+        out: dict[str, str] = {}
+        fileio.write_with(base, lambda tmp: out.update(text=run_tool(
+            "llama-perplexity", ["-m", ladder.reference, "-f", text, "--kl-divergence-base", tmp, *_args(ladder)]).output))
+        fileio.write_json(info, {"reference_ppl": parse_final_ppl(out["text"])})
+
+    ladder.step("eval-reference", {"base": base_key}, lambda: [base, info, text], make_base)
+    ref_ppl = fileio.read_json(info, what="eval base record")["reference_ppl"]
+
+    rows = []
+    for f, method, size in files:
+        step = f"eval-{f.stem}"
+        row_path = ev / "rows" / f"{f.name}.json"
+        src_step = f"export-Voodoo{size}" if method == "voodoo" else f"stock-{f.stem.rsplit('.stock-', 1)[-1]}"
+
+        def measure(f=f, row_path=row_path) -> None:
+            run = run_tool("llama-perplexity", ["-m", f, "--kl-divergence-base", base, "--kl-divergence", *_args(ladder)])
+            data_bytes, n_weights = gguf_tensor_stats(f)
+            row = EvalRow(name=f.name, size_bytes=f.stat().st_size, bpw=8.0 * data_bytes / n_weights,
+                          **parse_kld_report(run.output))
+            fileio.write_json(row_path, asdict(row))
+
+        ladder.step(step, {"base": base_key, "file": ladder.keys[src_step]}, lambda row_path=row_path: [row_path], measure)
+        row = fileio.read_json(row_path, what="eval row")
+        rows.append({**row, "file": str(f), "method": method, "size_percent": size})
+    result = {
+        "reference": {"file": str(ladder.reference), "ppl": ref_ppl},
+        "text": str(ladder.data_dir / "eval_tokens.pt"),
+        "ctx": c.eval_ctx,
+        "chunks": c.eval_chunks,
+        "rows": rows,
+    }
+    out = c.output_dir
+    from .quantize import EVAL_NAME, PLOT_NAME
+
+    # Rewritten only when the numbers changed: a rerun with nothing to do touches no file.
+    if not ((out / EVAL_NAME).is_file() and (out / PLOT_NAME).is_file()
+            and fileio.read_json(out / EVAL_NAME, what="eval JSON") == result):
+        fileio.write_json(out / EVAL_NAME, result)
+        fields = set(EvalRow.__dataclass_fields__)
+        plot_pareto([EvalRow(**{k: v for k, v in r.items() if k in fields}) for r in rows], out / PLOT_NAME)
+    return result

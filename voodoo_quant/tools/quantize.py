@@ -1,0 +1,459 @@
+"""`voodoo quantize`: a model and some text → a publishable ladder of GGUFs with its model card.
+
+    data → make-teacher → reference GGUF → imatrix → candidate cache → train (per size) →
+    export (per size) → stock llama-quantize recipes → eval (stock llama-perplexity) → card
+
+One :class:`QuantizeConfig` is shared by the CLI (``cli/quantize.py``) and the Python API
+(``voodoo_quant.api.quantize``). Every step records what it was made from
+(``tools/manifest.py``) and is skipped when its outputs exist and were made from the same inputs,
+so an interrupted ladder resumes where it stopped and a changed input reruns only what depends
+on it. Bad input is refused before any long work (``tools/preflight.py``).
+
+Work shared across sizes: one imatrix, one candidate cache (content-keyed, ``cache.py``), one
+sensitivity table (it depends on the model, menus and calibration tokens, not on the size: the
+first size computes it, the others reuse it; the trainer checks its key), and the teacher's
+forward: its final hidden states per training batch are cached on disk and reused by every
+further size (exact: ``training/teacher_cache.py``).
+
+Layout of ``output_dir``: the published files at the top (``<Model>.Voodoo<NN>_<BADGE>.gguf``
+with its ``.tensor-types.txt``, ``imatrix.gguf``, ``eval.json``, ``pareto.png``, ``README.md``),
+everything else under ``work/`` (tokens, teacher, reference F32 GGUF, runs, stock files, records).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from .. import fileio
+from ..errors import ConfigError
+from ..menus import MenuConfig
+from .manifest import Clock, Manifests, digest
+
+log = logging.getLogger(__name__)
+
+CARD_NAME = "README.md"
+EVAL_NAME = "eval.json"
+PLOT_NAME = "pareto.png"
+IMATRIX_NAME = "imatrix.gguf"
+FLOOR = "Q8_0"  # always measured: the KLD floor of every table
+# Fields QuantizeConfig sets itself; `train_extra` may not override them.
+_OWNED = {"model", "data_dir", "data_name", "output_dir", "output_name", "imatrix", "compression_ratio", "target_bits",
+          "max_steps", "seq_len", "candidate_types", "attention_candidates", "non_attention_candidates", "seed",
+          "device", "dtype", "lazy", "batch_size", "dry_run", "tensor_parallel", "finalize_from_partial",
+          "resume_from_partial", "log_file", "text_model_class"}
+
+
+@dataclass
+class QuantizeConfig:
+    model: str  # HF checkpoint dir or GGUF file
+    texts: list[str]  # text files, folders, .jsonl files (as `voodoo data`)
+    sizes: tuple[int, ...] = (30, 45, 60)  # standard sizes: percent of the uniform-Q8_0 bytes
+    output_dir: Path = Path("voodoo-out")
+    model_name: str | None = None  # <Model> in file names; default from the model's file/dir name
+    # data
+    seq_len: int = 512
+    eval_fraction: float = 0.1
+    eval_texts: list[str] = field(default_factory=list)
+    glob: str = "*"
+    # teacher
+    degrid_seed: int | None = None  # de-grid a model whose weights are a dequantized quant (FACTS.md)
+    text_model_class: str | None = None
+    # imatrix
+    calib_sequences: int = 64
+    # training (anything else of TrainConfig goes in train_extra)
+    steps: int = 50
+    batch_size: int = 1
+    candidate_types: tuple[str, ...] | None = None
+    attention_candidates: tuple[str, ...] | None = None
+    non_attention_candidates: tuple[str, ...] | None = None
+    seed: int = 0
+    device: str = "cpu"
+    dtype: str = "float32"
+    lazy: bool = False
+    train_extra: dict[str, Any] = field(default_factory=dict)
+    share_teacher_forward: bool = True  # cache the teacher's hidden states across sizes (exact)
+    # evaluation
+    stock: tuple[str, ...] | None = None  # llama-quantize recipes; default: each size's badge + Q8_0
+    eval: bool = True
+    eval_ctx: int = 512
+    eval_chunks: int | None = 20
+    threads: int | None = None
+    # the card
+    license: str | None = None  # default: the source's own (GGUF general.license / HF README)
+    base_model: str | None = None  # default: the source's own, else its name
+
+    def __post_init__(self) -> None:
+        from .. import qtypes as qt
+        from ..modeling import is_gguf
+        from ..training.config import TrainConfig
+        from .export import canonical_name
+
+        self.output_dir = Path(self.output_dir)
+        src = Path(self.model)
+        if not (is_gguf(src) or (src.is_dir() and (src / "config.json").is_file())):
+            what = "does not exist" if not src.exists() else "is neither a GGUF file nor an HF checkpoint dir (no config.json)"
+            raise ConfigError(f"--model {src} {what}")
+        if isinstance(self.texts, (str, Path)):
+            self.texts = [self.texts]
+        self.texts = [str(t) for t in self.texts]
+        self.eval_texts = [str(t) for t in self.eval_texts]
+        if not self.texts:
+            raise ConfigError("--text: give at least one text file, folder or .jsonl file")
+        for t in [*self.texts, *self.eval_texts]:
+            if not Path(t).exists():
+                raise ConfigError(f"--text {t} does not exist")
+        sizes = []
+        for s in (self.sizes if isinstance(self.sizes, (list, tuple)) else [self.sizes]):
+            if isinstance(s, bool) or not isinstance(s, int) and not (isinstance(s, str) and s.strip().isdigit()):
+                raise ConfigError(f"--sizes: {s!r} is not a whole percent (e.g. 45 for Voodoo45)")
+            sizes.append(int(s))
+        if not sizes:
+            raise ConfigError("--sizes: give at least one size")
+        if len(set(sizes)) != len(sizes):
+            raise ConfigError(f"--sizes: {sizes} repeats a size")
+        self.sizes = tuple(sorted(sizes))
+        if self.model_name is None:
+            self.model_name = default_model_name(src)
+        for s in self.sizes:
+            canonical_name(self.model_name, s)  # export's naming rule: refuses a size it cannot name
+        if self.eval_ctx < 8 or self.eval_ctx % 2:
+            raise ConfigError(f"--eval_ctx must be an even number >= 8, got {self.eval_ctx}")
+        for flag, v in (("--calib_sequences", self.calib_sequences), ("--steps", self.steps),
+                        ("--eval_chunks", 1 if self.eval_chunks is None else self.eval_chunks)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{flag} must be an integer >= 1, got {v!r}")
+        if self.stock is not None:
+            bad = [r for r in self.stock if r not in qt.LLAMA_FTYPES]
+            if bad:
+                raise ConfigError(f"--stock: unknown llama-quantize recipe(s) {', '.join(bad)}; known: {', '.join(qt.LLAMA_FTYPES)}")
+        self.stock = tuple(dict.fromkeys([*(self.stock if self.stock is not None else _badges(self.sizes)), FLOOR]))
+        clash = sorted(set(self.train_extra) & _OWNED)
+        if clash:
+            raise ConfigError(f"train flags {', '.join('--' + c for c in clash)} are set by `voodoo quantize` itself "
+                              "(use its own flags: --steps, --seq_len, --sizes, menus, --seed, --device, --dtype, --lazy)")
+        self.train_config(self.sizes[0], Path("."))  # validates every train setting now, not after the data step
+        self.menus = TrainConfig(model="x", compression_ratio=0.5, **self._menu_kw()).menus
+
+    def _menu_kw(self) -> dict[str, Any]:
+        kw = {"attention_candidates": self.attention_candidates, "non_attention_candidates": self.non_attention_candidates}
+        if self.candidate_types:
+            kw["candidate_types"] = self.candidate_types
+        return kw
+
+    def train_config(self, size: int, teacher_hf: Path, data_dir: Path | None = None, imatrix: Path | None = None,
+                     run_dir: Path | None = None):
+        from ..training.config import TrainConfig
+
+        return TrainConfig(
+            model=str(teacher_hf), data_dir=str(data_dir or "data"), imatrix=str(imatrix) if imatrix else None,
+            compression_ratio=size / 100.0, seq_len=self.seq_len, batch_size=self.batch_size, max_steps=self.steps,
+            seed=self.seed, device=self.device, dtype=self.dtype, lazy=self.lazy, text_model_class=None,
+            output_dir=str(run_dir or "run"), output_name=f"{self.model_name}-Voodoo{size}.pt",
+            **self._menu_kw(), **self.train_extra,
+        )
+
+
+def _badges(sizes) -> list[str]:
+    from .. import qtypes as qt
+
+    out = []
+    for s in sizes:
+        try:
+            out.append(qt.badge_for(s))
+        except Exception:  # noqa: BLE001 - a size without a badge has no same-class stock recipe
+            continue
+    return out
+
+
+def default_model_name(src: Path) -> str:
+    """``MyModel`` of ``MyModel/`` or ``MyModel.Q4_1.gguf`` / ``MyModel-Q4_K_M.gguf``."""
+    import re
+
+    from .. import qtypes as qt
+
+    if src.suffix.lower() != ".gguf":
+        return src.resolve().name
+    stem = src.stem
+    for q in sorted({*qt.LLAMA_FTYPES, "F32", "F16", "BF16"}, key=len, reverse=True):
+        m = re.fullmatch(rf"(.+?)[.\-_]{re.escape(q)}", stem, re.IGNORECASE)
+        if m:
+            return m.group(1)
+    return stem
+
+
+@dataclass
+class QuantizeResult:
+    files: dict[int, Path]  # size → GGUF
+    eval: dict[str, Any] | None
+    card: Path
+    ran: list[str]  # steps that ran
+    skipped: list[str]  # steps skipped (same inputs)
+    seconds: dict[str, float]  # per step that ran now
+
+
+class _Display:
+    """One rich progress display for the whole ladder: an overall bar and the current step's."""
+
+    def __init__(self, enabled: bool, total: int):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+        self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), disable=not enabled)
+        self.enabled = enabled
+        self.overall = self.progress.add_task("[bold]voodoo quantize", total=total)
+        self.current = None
+
+    def __enter__(self):
+        self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.progress.__exit__(*exc)
+
+    def begin(self, name: str, total: int | None = None) -> None:
+        self.current = self.progress.add_task(f"  {name}", total=total)
+
+    def advance(self, n: float = 1) -> None:
+        if self.current is not None:
+            self.progress.advance(self.current, n)
+
+    def end(self, name: str, note: str) -> None:
+        if self.current is not None:
+            self.progress.remove_task(self.current)
+            self.current = None
+        self.progress.advance(self.overall)
+        if self.enabled:
+            self.progress.console.print(f"[green]✓[/green] {name}: {note}")
+
+
+class Ladder:
+    def __init__(self, cfg: QuantizeConfig, display: _Display, pre):
+        self.cfg, self.ui, self.pre = cfg, display, pre
+        out = cfg.output_dir
+        self.work = out / "work"
+        self.m = Manifests(self.work)
+        self.keys: dict[str, str] = {}
+        self.ran: list[str] = []
+        self.skipped: list[str] = []
+        self.seconds: dict[str, float] = {}
+        self.notes: dict[str, str] = {}
+        self.data_dir = self.work / "data"
+        src = Path(cfg.model)
+        self.make_hf = src.suffix.lower() == ".gguf" or cfg.degrid_seed is not None
+        self.teacher_hf = self.work / "hf" / cfg.model_name if self.make_hf else src
+        self.reference = self.work / "gguf" / f"{cfg.model_name}.F32.gguf"
+        self.imatrix = out / IMATRIX_NAME
+
+    # -- the step runner ---------------------------------------------------------------------
+    def step(self, name: str, inputs: dict[str, Any], outputs: Callable[[], list[Path]], body: Callable[[], Any],
+             *, total: int | None = None, on_stale: Callable[[], None] | None = None) -> str:
+        key = digest(inputs)
+        self.keys[name] = key
+        if self.m.done(name, key):
+            self.skipped.append(name)
+            self.ui.end(name, "skipped (made from the same inputs)")
+            return key
+        if on_stale is not None and self.m.started_with_other_inputs(name, key):
+            on_stale()
+        self.m.start(name, key, inputs)
+        self.ui.begin(name, total)
+        clock = Clock()
+        body()
+        dt = clock()
+        self.m.finish(name, key, inputs, outputs(), dt)
+        self.ran.append(name)
+        self.seconds[name] = round(dt, 1)
+        self.ui.end(name, f"{dt:.0f} s" + (f" ({self.notes[name]})" if name in self.notes else ""))
+        return key
+
+    # -- steps ---------------------------------------------------------------------------------
+    def data(self) -> None:
+        from .data import EVAL_NAME as E, META_NAME, TRAIN_NAME, DataConfig, make_data
+
+        c = self.cfg
+        d = self.data_dir
+        inputs = {"source": self.pre.source_sha, "texts": self.pre.text_hashes, "eval_texts": self.pre.eval_hashes,
+                  "seq_len": c.seq_len, "eval_fraction": c.eval_fraction, "glob": c.glob, "seed": c.seed, "v": 1}
+        self.step("data", inputs, lambda: [d / TRAIN_NAME, d / E, d / META_NAME], lambda: make_data(DataConfig(
+            model=c.model, inputs=c.texts, output_dir=d, seq_len=c.seq_len, eval_fraction=c.eval_fraction,
+            eval_files=c.eval_texts, glob=c.glob, seed=c.seed, progress=False)))
+
+    def teacher(self) -> None:
+        from .teacher import MakeTeacherConfig, make_teacher
+
+        c = self.cfg
+        if not self.make_hf:  # an HF dir is its own float teacher: nothing to make
+            self.keys["make-teacher"] = digest({"source": self.pre.source_sha})
+            self.skipped.append("make-teacher")
+            self.ui.end("make-teacher", f"the HF dir {self.teacher_hf} is the float teacher")
+            return
+
+        def body() -> None:
+            if self.teacher_hf.exists():  # from other inputs (or a killed run): made again
+                shutil.rmtree(self.teacher_hf)
+            make_teacher(MakeTeacherConfig(model=c.model, output_dir=self.work / "teacher", dtype="float32",
+                                           degrid_seed=c.degrid_seed, hf_out=self.teacher_hf,
+                                           text_model_class=c.text_model_class, progress=False))
+
+        inputs = {"source": self.pre.source_sha, "degrid_seed": c.degrid_seed, "text_model_class": c.text_model_class, "v": 1}
+        self.step("make-teacher", inputs, lambda: [self.teacher_hf / "config.json"], body)
+
+    def reference_gguf(self) -> None:
+        from ..converter import convert
+
+        ref = self.reference
+        self.step("reference", {"teacher": self.keys["make-teacher"], "outtype": "f32"}, lambda: [ref],
+                  lambda: fileio.write_with(ref, lambda tmp: convert(self.teacher_hf, tmp, outtype="f32")))
+
+    def imatrix_step(self) -> None:
+        from .calibrate import ImatrixConfig, compute
+
+        inputs = {"teacher": self.keys["make-teacher"], "data": self.keys["data"], "sequences": self.cfg.calib_sequences}
+        self.step("imatrix", inputs, lambda: [self.imatrix], lambda: compute(ImatrixConfig(
+            model=str(self.teacher_hf), tokens=str(self.data_dir / "train_tokens.pt"), output=str(self.imatrix),
+            max_sequences=self.cfg.calib_sequences, batch_size=4)))
+
+    def cache(self) -> None:
+        from .precache import PrecacheConfig, precache
+
+        c = self.cfg
+        menus: MenuConfig = c.menus
+        marker = self.work / "candidates.json"
+        inputs = {"teacher": self.keys["make-teacher"], "imatrix": self.keys["imatrix"],
+                  "menus": [list(menus.candidate_types), menus.attention_candidates, menus.non_attention_candidates]}
+
+        def body() -> None:
+            rep = precache(PrecacheConfig(model=str(self.teacher_hf), candidate_types=menus.candidate_types,
+                                          attention_candidates=menus.attention_candidates,
+                                          non_attention_candidates=menus.non_attention_candidates,
+                                          imatrix=str(self.imatrix)), progress=False)
+            fileio.write_json(marker, {"candidates": len(getattr(rep, "paths", {}) or {})})
+
+        self.step("candidate-cache", inputs, lambda: [marker], body)
+
+    def train(self, size: int) -> None:
+        from ..training.sensitivity import TABLE_NAME
+
+        run = self.work / "runs" / f"Voodoo{size}"
+        tcfg = self.cfg.train_config(size, self.teacher_hf, self.data_dir, self.imatrix, run)
+        settings = {k: v for k, v in tcfg.to_dict().items() if k not in ("model", "data_dir", "imatrix", "output_dir")}
+        inputs = {"teacher": self.keys["make-teacher"], "data": self.keys["data"], "imatrix": self.keys["imatrix"],
+                  "train": settings}
+        shared = self.work / TABLE_NAME
+
+        def stale() -> None:  # the old run's journal and outputs were made from other inputs
+            for f in ("partial.pt", "assignment.json", "tensor-types.txt", "train_log.jsonl", tcfg.output_name):
+                (run / f).unlink(missing_ok=True)
+
+        def body() -> None:
+            if shared.is_file() and not (run / TABLE_NAME).is_file():
+                fileio.write_bytes(run / TABLE_NAME, shared.read_bytes())  # the trainer checks its key
+            _, cache = run_training(tcfg, self.ui.advance,
+                                    self._teacher_cache_dir() if self.cfg.share_teacher_forward else None)
+            if cache is not None:
+                self.notes[f"train-Voodoo{size}"] = (f"teacher forward from the cache for {cache.hits} of "
+                                                     f"{cache.hits + cache.misses} batches")
+            if (run / TABLE_NAME).is_file() and not shared.is_file():
+                fileio.write_bytes(shared, (run / TABLE_NAME).read_bytes())
+
+        self.step(f"train-Voodoo{size}", inputs, lambda: [run / "assignment.json", run / "tensor-types.txt"], body,
+                  total=tcfg.max_steps, on_stale=stale)
+
+    def _teacher_cache_dir(self) -> Path:
+        key = digest({"teacher": self.keys["make-teacher"], "dtype": self.cfg.dtype, "device": self.cfg.device,
+                      "extra": {k: self.cfg.train_extra.get(k) for k in ("teacher_quant", "teacher_checkpoint",
+                                                                       "base_checkpoint", "teacher_device")}})
+        return self.work / "teacher_hidden" / key
+
+    def export(self, size: int) -> Path:
+        from .export import ExportConfig, export
+
+        run = self.work / "runs" / f"Voodoo{size}"
+        ecfg = ExportConfig(model=self.teacher_hf, assignment=run / "assignment.json", output_dir=self.cfg.output_dir,
+                            imatrix=self.imatrix, size_percent=size, model_name=self.cfg.model_name, overwrite=True)
+        path = self.cfg.output_dir / ecfg.file_name()
+        ttf = path.with_name(path.stem + ".tensor-types.txt")
+        inputs = {"train": self.keys[f"train-Voodoo{size}"], "teacher": self.keys["make-teacher"],
+                  "imatrix": self.keys["imatrix"], "name": path.name}
+        self.step(f"export-Voodoo{size}", inputs, lambda: [path, ttf], lambda: export(ecfg))
+        return path
+
+    def stock_file(self, recipe: str) -> Path:
+        return self.work / "stock" / f"{self.cfg.model_name}.stock-{recipe}.gguf"
+
+    def stock(self, recipe: str) -> Path:
+        from .llama_tools import run_tool
+
+        f = self.stock_file(recipe)
+        threads = str(self.pre.threads)
+        inputs = {"reference": self.keys["reference"], "imatrix": self.keys["imatrix"], "recipe": recipe}
+        self.step(f"stock-{recipe}", inputs, lambda: [f], lambda: fileio.write_with(f, lambda tmp: run_tool(
+            "llama-quantize", ["--imatrix", self.imatrix, self.reference, tmp, recipe, threads])))
+        return f
+
+    def evaluate(self, files: list[tuple[Path, str, int | None]]) -> dict[str, Any]:
+        from .ladder_eval import evaluate_ladder
+
+        return evaluate_ladder(self, files)
+
+    # -- everything ----------------------------------------------------------------------------
+    def run(self) -> QuantizeResult:
+        from .card import write_card
+
+        c = self.cfg
+        self.data()
+        self.teacher()
+        self.reference_gguf()
+        self.imatrix_step()
+        self.cache()
+        ours: dict[int, Path] = {}
+        for s in c.sizes:
+            self.train(s)
+            ours[s] = self.export(s)
+        result = None
+        if c.eval:
+            files = [(ours[s], "voodoo", s) for s in c.sizes]
+            files += [(self.stock(q), "stock", None) for q in c.stock]
+            result = self.evaluate(files)
+        self.ui.begin("model card")
+        card = write_card(self, ours, result)
+        self.ui.end("model card", str(card))
+        return QuantizeResult(ours, result, card, self.ran, self.skipped, self.seconds)
+
+
+def run_training(tcfg, on_step: Callable[[], None], teacher_cache: Path | None):
+    """`voodoo train` through TrainConfig + Trainer, the teacher behind the hidden-state cache in
+    `teacher_cache` (None: no cache). Returns (TrainResult, the cache or None)."""
+    from ..training.teacher_cache import wrap_teacher
+    from ..training.trainer import Trainer
+
+    trainer = Trainer(tcfg, on_step=lambda m: on_step(), progress=False)
+    run = trainer.prepare()
+    cache = None
+    if teacher_cache is not None and run.tp is None:
+        run.teacher, cache = wrap_teacher(run.teacher, teacher_cache)
+    return trainer.train(), cache
+
+
+def step_count(cfg: QuantizeConfig) -> int:
+    n = 5 + 2 * len(cfg.sizes) + 1  # data, teacher, reference, imatrix, cache; train+export per size; card
+    if cfg.eval:
+        n += 2 * len(cfg.stock) + 1 + len(cfg.sizes)  # stock files, the eval base, one eval per file
+    return n
+
+
+def quantize(cfg: QuantizeConfig, *, progress: bool = True) -> QuantizeResult:
+    """Run (or resume) the ladder; bad input is refused before any step starts."""
+    from .preflight import preflight
+
+    if progress:  # one display: the libraries' own per-file bars would break it up
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    pre = preflight(cfg)
+    with _Display(progress, step_count(cfg)) as ui:
+        return Ladder(cfg, ui, pre).run()
