@@ -17,6 +17,8 @@ STEPS=${STEPS:-20}                    # training steps per size
 SEQ_LEN=${SEQ_LEN:-256}               # tokens per training sequence
 CALIB_SEQS=${CALIB_SEQS:-16}          # sequences for the imatrix
 EVAL_CHUNKS=${EVAL_CHUNKS:-10}        # llama-perplexity chunks of 512 tokens (held-out plays)
+SEARCH_EVALS=${SEARCH_EVALS:-16}      # measured-KL evaluations of the final search (CPU: each is a forward pass)
+SEARCH_SEQS=${SEARCH_SEQS:-4}         # training sequences held aside for the guarantee and the search
 # Fine rungs: on this 576-wide model most tensors fall back to 32-block types (Q4_0/IQ4_NL,
 # Q5_0, Q5_1, Q8_0); ffn_down (1536 wide) keeps the K and IQ types.
 MENU=${MENU:-"Q8_0 Q6_K Q5_K Q5_0 Q4_K IQ4_XS IQ4_NL Q3_K IQ3_S IQ2_S"}
@@ -34,7 +36,7 @@ t0=$(date +%s)
 $V quantize --model "$GGUF" --text "$PLAYS" --glob "*.md" --eval_fraction 0.15 --degrid_seed 0 \
   --model_name SmolLM2-135M-Instruct --base_model HuggingFaceTB/SmolLM2-135M-Instruct --sizes $SIZES --steps "$STEPS" --seq_len "$SEQ_LEN" \
   --calib_sequences "$CALIB_SEQS" --candidate_types $MENU --stock $STOCK --eval_chunks "$EVAL_CHUNKS" \
-  --output_dir "$OUT"
+  --output_dir "$OUT" -- --search_evals "$SEARCH_EVALS" --search_sequences "$SEARCH_SEQS"
 
 echo
 echo "card: $OUT/README.md   table: $OUT/eval.json   plot: $OUT/pareto.png   ($(( $(date +%s) - t0 )) s)"
