@@ -126,7 +126,8 @@ def test_teacher_hidden_state_cache_changes_nothing(gate_model_dir, tmp_path):
     def cfg(out, chunk):
         return TrainConfig(model=str(gate_model_dir / "model"), data_dir=str(gate_model_dir / "data"), seq_len=32,
                            compression_ratio=0.7, candidate_types=("Q8_0", "Q4_K", "Q2_K"), max_steps=3,
-                           output_dir=str(tmp_path / out), warm_start=False, polish=False, loss_chunk_size=chunk)
+                           output_dir=str(tmp_path / out), warm_start=False, polish=False, loss_chunk_size=chunk,
+                           guarantee=False, search_evals=0)  # training only: the held-aside measurements add teacher batches
 
     for chunk in (0, 16):  # the full-logits path and the chunked-head path of losses.distill_terms
         ref, none = run_training(cfg(f"plain{chunk}", chunk), lambda: None, None)
@@ -190,8 +191,11 @@ def test_config_refusals(tiny_llama_hf_dir, ladder_text_dir, tmp_path):
     kw = dict(model=str(tiny_llama_hf_dir), texts=[str(ladder_text_dir)], output_dir=tmp_path)
     with pytest.raises(ConfigError, match="repeats a size"):
         QuantizeConfig(sizes=(45, 45), **kw)
-    with pytest.raises(ConfigError, match="not a standard size"):
-        QuantizeConfig(sizes=(47,), **kw)
+    with pytest.raises(ConfigError, match="outside 1..100"):
+        QuantizeConfig(sizes=(0,), **kw)
+    with pytest.raises(ConfigError, match="outside 1..100"):
+        QuantizeConfig(sizes=(45, 250), **kw)
+    assert QuantizeConfig(sizes=(47,), **kw).sizes == (47,)  # no badge: named by its number
     with pytest.raises(ConfigError, match="--max_steps"):
         QuantizeConfig(train_extra={"max_steps": 3}, **kw)
     with pytest.raises(ConfigError, match="--lr"):

@@ -104,7 +104,7 @@ class WeightReader:
 
     def __init__(self, model_dir: str | os.PathLike, model: nn.Module, *, strip_prefix: str | None = None,
                  checkpoint: str | os.PathLike | None = None):
-        from .tools.teacher import _map_key
+        from .modeling import _map_key
 
         expected = {n for n, _ in [*model.named_parameters(remove_duplicate=False),
                                    *model.named_buffers(remove_duplicate=False)]}
@@ -130,7 +130,7 @@ class WeightReader:
             self._load_checkpoint(Path(checkpoint))
 
     def _load_checkpoint(self, path: Path) -> None:
-        from .tools.teacher import TEACHER_FORMAT
+        from .checkpoints import TEACHER_FORMAT
 
         if not path.is_file():
             raise CorruptFileError(f"checkpoint {path} does not exist")
@@ -165,7 +165,7 @@ class WeightReader:
         if name in self._ckpt:
             e = self._ckpt[name]
             if self._teacher:
-                from .tools.teacher import entry_to_float
+                from .checkpoints import entry_to_float
 
                 t = entry_to_float(e)
             else:

@@ -115,6 +115,9 @@ class QuantizeConfig:
             raise ConfigError("--sizes: give at least one size")
         if len(set(sizes)) != len(sizes):
             raise ConfigError(f"--sizes: {sizes} repeats a size")
+        bad = [s for s in sizes if not 1 <= s <= 100]
+        if bad:
+            raise ConfigError(f"--sizes: {bad} outside 1..100 (percent of the uniform Q8_0 size, e.g. 45 for Voodoo45)")
         self.sizes = tuple(sorted(sizes))
         if self.model_name is None:
             self.model_name = default_model_name(src)
