@@ -71,9 +71,25 @@ def plans_weights_sha256(plans: Iterable, weights: Mapping[str, Any]) -> str:
     return h.hexdigest()
 
 
+class _Read:
+    """name -> the float tensor a skeleton's checkpoint reader gives (one at a time)."""
+
+    def __init__(self, reader, shapes):
+        self.reader, self.shapes = reader, shapes
+
+    def __getitem__(self, name: str):
+        return self.reader.get(name, self.shapes[name])
+
+
 def model_weights_sha256(model, plans: Iterable) -> str:
+    """The weights hash of a loaded model, or of a skeleton (tensor-parallel sharded loading:
+    parameters on ``meta``) through its checkpoint reader: the same bytes either way."""
     from .student import selectable_weights
 
+    plans = list(plans)
+    reader = getattr(model, "voodoo_reader", None)
+    if reader is not None:
+        return plans_weights_sha256(plans, _Read(reader, {p.name: tuple(p.shape) for p in plans}))
     weights = {n: w for n, (w, _) in selectable_weights(model).items()}
     return plans_weights_sha256(plans, weights)
 

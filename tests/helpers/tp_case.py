@@ -55,7 +55,9 @@ def config(d: Path, out: Path, tp: int, **kw):
 
     base = dict(model=str(d / "model"), data_dir=str(d / "data"), seq_len=32, batch_size=2, max_steps=3,
                 compression_ratio=0.62, candidate_types=MENU, output_dir=str(out), tensor_parallel=tp,
-                loss_chunk_size=24, lr=0.5)
+                loss_chunk_size=24, lr=0.5,
+                # the bake alone on both sides: under TP the guarantee and the search do not run
+                guarantee=False, search_evals=0)
     base.update(kw)
     return TrainConfig(**base)
 

@@ -116,7 +116,7 @@ class Trainer:
                             teacher_device=resolve_device(cfg.teacher_device) if cfg.teacher_device else device,
                             tp=tp, tp_plan=tp_plan)
         self.run.provenance = provenance.run_record(cfg, plans, base, getattr(imx, "sha256", None), budget)  # before any cast
-        if build and cfg.method == "gates" and tp is None:
+        if build and cfg.method == "gates":  # under TP too: every rank trains on the same batches as one process
             self.run.tokens, self.run.held_tokens = hold_aside(tokens, cfg.search_sequences)
         if cfg.needs_sensitivity:
             from .sensitivity import ensure_table
