@@ -80,6 +80,7 @@ class QualityConfig:
     seed_sizes: tuple[int, ...] = ()  # ... at these sizes (every other size: the first seed only)
     pure: tuple[str, ...] = PURE
     train_args: tuple[str, ...] = ()  # extra `voodoo train` flags of the voodoo runs (ablations)
+    method_sizes: tuple[tuple[str, tuple[int, ...]], ...] = ()  # (method, sizes): run it at these sizes only
 
     def __post_init__(self) -> None:
         self.out = Path(self.out)
@@ -96,6 +97,9 @@ class QualityConfig:
         bad = [s for s in self.stock if s not in qt.LLAMA_FTYPES]
         if bad:
             raise SystemExit(f"--stock: unknown llama-quantize recipe(s) {', '.join(bad)}; known: {', '.join(qt.LLAMA_FTYPES)}")
+        for m, ss in self.method_sizes:
+            if m not in self.methods or not set(ss) <= set(self.sizes):
+                raise SystemExit(f"--sizes_for {m}=...: the method must be in --methods and its sizes in --sizes")
         self.stock = tuple(dict.fromkeys([FLOOR, *self.stock]))  # the floor is always measured, first
         self.menu = tuple(qt.get(t).name for t in self.menu)
         for flag, v in (("--steps", self.steps), ("--seq_len", self.seq_len), ("--eval_chunks", self.eval_chunks),
@@ -111,6 +115,9 @@ class QualityConfig:
                 "menu": list(self.menu), "degrid_seed": self.degrid_seed, "train_args": list(self.train_args)}
 
     def seeds_for(self, method: str, size: int) -> tuple[int, ...]:
+        only = dict(self.method_sizes).get(method)
+        if only is not None and size not in only:
+            return ()
         if method != "voodoo":
             return (0,)  # the knapsacks train nothing: no seed
         return self.seeds if size in self.seed_sizes else self.seeds[:1]
@@ -418,6 +425,8 @@ def parse(argv: list[str]) -> QualityConfig:
     ap.add_argument("--seeds", default=None, help="training seeds of the voodoo runs (default 0)")
     ap.add_argument("--seed_sizes", default=None, help="sizes at which every seed runs (default: none)")
     ap.add_argument("--pure", default=None, help="uniform llama-quantize --pure files (default " + ",".join(PURE) + ")")
+    ap.add_argument("--sizes_for", action="append", default=[], metavar="METHOD=S1,S2",
+                    help="run METHOD at these sizes only (repeatable), e.g. sensitivity_output=60,80")
     ap.add_argument("--train_args", default=None, help="extra voodoo train flags of the voodoo runs, one string")
     ap.add_argument("--quick", action="store_true",
                     help="smoke run: sizes 60,70, stock Q4_0 IQ4_XS Q4_K_M, 5 steps, 4 eval chunks, 8 calibration chunks")
@@ -433,6 +442,7 @@ def parse(argv: list[str]) -> QualityConfig:
         "seed_sizes": None if a.seed_sizes is None else tuple(int(s) for s in _csv(a.seed_sizes)),
         "pure": None if a.pure is None else tuple(_csv(a.pure)),
         "train_args": None if a.train_args is None else tuple(shlex.split(a.train_args)),
+        "method_sizes": tuple((m, tuple(int(x) for x in _csv(v))) for m, _, v in (f.partition("=") for f in a.sizes_for)) or None,
     }
     kw = {**quick, **{k: v for k, v in given.items() if v is not None}}
     return QualityConfig(out=a.out, ctx=a.ctx, threads=a.threads, **kw)

@@ -85,6 +85,8 @@ def register(app: typer.Typer) -> None:
         resume_from_partial: Optional[str] = typer.Option(None, "--resume_from_partial", help="Resume training from this journal instead of <output_dir>/partial.pt.", rich_help_panel=J),
         search_sequences: int = typer.Option(8, "--search_sequences", help="Training sequences held aside (the last N, at most a quarter of the file) on which the guarantee and the search measure KL(teacher ‖ baked student); 0: none (no guarantee, no search).", rich_help_panel=F),
         search_evals: int = typer.Option(48, "--search_evals", help="Measured-KL evaluations of the final local search (one-rung moves and up/down pairs, ranked by the gates' gradient, kept only when the measured KL drops); 0: no search.", rich_help_panel=F),
+        relaxation_gap: bool = typer.Option(False, "--relaxation_gap/--no_relaxation_gap", help="Add to the loss the KL the soft mixture hides from a one-hot file (½ Σ_k p_k (W_k − W̄)ᵀF(W_k − W̄), from the Fisher curvature): the gates then descend the expected KL of the file they bake.", rich_help_panel=O),
+        search_margin: float = typer.Option(0.0, "--search_margin", help="Keep a search move only when the KL drop, paired over the held-aside sequences, exceeds this many standard errors (0: any drop).", rich_help_panel=F),
         guarantee: bool = typer.Option(True, "--guarantee/--no_guarantee", help="Measure the best uniform types, the stock llama-quantize recipes and the knapsack that fit the budget beside the gates' bake, and start the search from the best.", rich_help_panel=F),
         stock_references: Optional[str] = typer.Option(None, "--stock_references", help="llama-quantize ftypes the guarantee considers (default: all; the largest three that fit are measured).", rich_help_panel=F),
     ) -> None:
@@ -125,5 +127,5 @@ _FIELDS = {
     "dtype", "lazy", "gradient_checkpointing", "no_compile", "tensor_parallel", "device_map", "partial_save_interval",
     "resume", "dry_run", "method", "ptqr", "st_gumbel_fraction", "st_gumbel_tau", "warm_start", "warm_start_mass",
     "sensitivity_sequences", "polish", "loss_chunk_size", "grad_accum_steps", "teacher_device", "log_file",
-    "finalize_from_partial", "resume_from_partial", "search_sequences", "search_evals", "guarantee", "stock_references", "sensitivity_kind",
+    "finalize_from_partial", "resume_from_partial", "search_sequences", "search_evals", "search_margin", "relaxation_gap", "guarantee", "stock_references", "sensitivity_kind",
 }

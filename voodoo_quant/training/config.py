@@ -90,6 +90,7 @@ class TrainConfig:
     warm_start_mass: float = 0.9  # probability of the layout's rung at step 0
     sensitivity_sequences: int = 4  # calibration sequences for the sensitivity table
     sensitivity_kind: str = "fisher"  # "fisher" (ΔKL from the Fisher diagonal) or "output" (own output error)
+    relaxation_gap: bool = False  # add the expected one-hot KL's variance term to the loss (relaxation.py)
     polish: bool = True  # knapsack polish of the baked assignment inside the dead zone
     loss_chunk_size: int = 4096  # tokens per LM-head chunk of the losses (0: whole logits)
     grad_accum_steps: int = 1
@@ -100,6 +101,7 @@ class TrainConfig:
     # after the bake (issue 15): training/{guarantee,search,objective}.py
     search_sequences: int = 8  # training sequences held aside (the last N) to measure KL on
     search_evals: int = 48  # measured-KL evaluations of the final search (0: no search)
+    search_margin: float = 0.0  # keep a move only when its paired KL drop exceeds this many standard errors
     guarantee: bool = True  # measure uniform / stock / knapsack references and start from the best
     stock_references: tuple[str, ...] = STOCK_REFERENCES  # llama-quantize ftypes measured by the guarantee
 
@@ -155,6 +157,8 @@ class TrainConfig:
                             ("--search_evals", self.search_evals, 0)):
             if not isinstance(v, int) or isinstance(v, bool) or v < lo:
                 raise ConfigError(f"{flag} must be an integer >= {lo}, got {v!r}")
+        if not (isinstance(self.search_margin, (int, float)) and self.search_margin >= 0):
+            raise ConfigError(f"--search_margin must be a number >= 0, got {self.search_margin!r}")
         if self.sensitivity_kind not in SENSITIVITY_KINDS:
             raise ConfigError(f"--sensitivity_kind must be one of {', '.join(SENSITIVITY_KINDS)}, got {self.sensitivity_kind!r}")
         if not 0.0 <= self.st_gumbel_fraction <= 1.0:
@@ -172,7 +176,8 @@ class TrainConfig:
 
     @property
     def needs_sensitivity(self) -> bool:
-        return self.warm_start or self.polish or self.method == "sensitivity" or (self.guarantee and self.method == "gates")
+        return (self.warm_start or self.polish or self.method == "sensitivity"
+                or (self.method == "gates" and (self.guarantee or self.relaxation_gap)))
 
     @property
     def measures(self) -> bool:
@@ -219,7 +224,8 @@ class TrainConfig:
                        "no_compile", "gradient_checkpointing", "device", "device_map", "lazy",
                        # exact reformulations and bake-only settings: a journal stays valid across them
                        "loss_chunk_size", "teacher_device", "log_file", "finalize_from_partial",
-                       "resume_from_partial", "polish", "search_evals", "guarantee", "stock_references")
+                       "resume_from_partial", "polish", "search_evals", "search_margin", "guarantee",
+                       "stock_references")
 
     def result_hash(self) -> str:
         """Hash of the settings that determine the result (journal compatibility)."""

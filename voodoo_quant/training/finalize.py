@@ -81,11 +81,12 @@ def improve(run, gate_choices: Sequence[tuple[str, Mapping[str, int]]], *,
         current = start
         if cfg.search_evals > 0:
             pinned = {n for n in rungs if is_pinned(n, cfg.upgrades)}
-            settings = {"result_hash": cfg.result_hash(), "reprobe": 4, "hi": hi, "lo": lo}
+            settings = {"result_hash": cfg.result_hash(), "reprobe": 4, "hi": hi, "lo": lo, "margin": cfg.search_margin}
             key = search_key(types_of(rungs, start), held, settings)
             res = local_search(rungs, start, held, lo=lo, hi=hi, max_evals=cfg.search_evals, pinned=pinned,
                                journal_path=cfg.out_dir / JOURNAL_NAME, key=key,
-                               start_measurement=start_m, on_eval=on_eval, curvature=run.curvature)
+                               start_measurement=start_m, on_eval=on_eval, curvature=run.curvature,
+                               margin=cfg.search_margin)
             current, search = res.current, res.summary()
         types = types_of(rungs, current)
         sizes = {n: rungs[n].sizes[current[n]] for n in rungs}

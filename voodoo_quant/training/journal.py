@@ -121,6 +121,7 @@ class StepMetrics:
     gate_entropy: float
     tokens_per_s: float
     memory_bytes: int = 0  # peak device memory (CUDA) or peak RSS (CPU) so far
+    relaxation_gap: float = 0.0  # predicted KL the mixture hides (--relaxation_gap; 0 when off)
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)

@@ -61,7 +61,8 @@ def progress_reporter(console: Console, trainer) -> Iterator:
 
         def on_step(m) -> None:
             stats = (
-                f"loss {m.loss:.4f} CE {m.ce:.3f} KL {m.kl:.4f} pen {m.size_penalty:.2e} "
+                f"loss {m.loss:.4f} CE {m.ce:.3f} KL {m.kl:.4f}" + (f" +gap {m.relaxation_gap:.4f}" if m.relaxation_gap else "")
+                + f" pen {m.size_penalty:.2e} "
                 f"size {m.expected_bytes / m.target_bytes:.3f}×tgt τ {m.tau:.3f} H {m.gate_entropy:.2f} "
                 f"{m.tokens_per_s:,.0f} tok/s"
             )

@@ -9,7 +9,9 @@ gates left undecided. This stage works on the file itself. From the start assign
 - pairs: one tensor one rung up and another one rung down, the total staying inside the budget,
 
 each *measured* (``objective.HeldAside``: KL(teacher ‖ baked student) on calibration sequences
-held aside from the training batches, never the eval text) and accepted only when the KL drops.
+held aside from the training batches, never the eval text) and accepted only when the KL drops
+(with ``--search_margin z``: by more than z standard errors of the per-sequence drops, so that a
+move which helps some sequences and hurts others is not taken for a gain of the file).
 Which moves to try first comes from the gates' own gradient: one probe (forward + backward at the
 one-hot mixture of the current assignment) predicts every move's ΔKL to first order,
 ``g_tj − g_tk`` (``objective.HeldAside.probe``); moves are tried most-promising first and the
@@ -150,7 +152,7 @@ def local_search(
     rungs: Mapping[str, Rungs], start: Mapping[str, int], held: HeldAside, *, lo: float, hi: float, max_evals: int,
     pinned: set[str] = frozenset(), journal_path: Path | None = None, key: str = "", reprobe_every: int = 4,
     start_measurement: Measurement | None = None, on_eval: Callable[[SearchEvent], None] | None = None,
-    curvature: Mapping[str, dict] | None = None,
+    curvature: Mapping[str, dict] | None = None, margin: float = 0.0,
 ) -> SearchResult:
     """Greedy first-improvement local search from `start` (tensor -> rung), at most `max_evals`
     measurements. Leaves the student serving the result."""
@@ -206,7 +208,7 @@ def local_search(
             serve({n: rungs[n] for n, _, _ in mv.changes}, current)
             m = held.measure(from_layer=_first_layer(mv))
             evals += 1
-            if m.kl < cur.kl:
+            if improves(cur, m, margin):
                 held.commit()
                 accepted.append({
                     "changes": [[n, rungs[n].types[a], rungs[n].types[b]] for n, a, b in mv.changes],
@@ -230,6 +232,18 @@ def local_search(
             break  # every move predicted to help was measured and none did
     save()
     return SearchResult(current, first, cur, evals, probes, total, accepted, resumed)
+
+
+def improves(before: Measurement, after: Measurement, margin: float = 0.0) -> bool:
+    """Whether `after` is a gain over `before`: its mean KL is lower, and with `margin` z > 0 the
+    drop exceeds z standard errors of the per-sequence drops (the two measured on the same sequences)."""
+    if not after.kl < before.kl:
+        return False
+    if margin <= 0 or len(before.per_sequence) != len(after.per_sequence) or len(after.per_sequence) < 2:
+        return True
+    d = np.asarray(before.per_sequence, dtype=np.float64) - np.asarray(after.per_sequence, dtype=np.float64)
+    se = float(d.std(ddof=1)) / len(d) ** 0.5
+    return float(d.mean()) > margin * se
 
 
 def _first_layer(mv: Move) -> int:

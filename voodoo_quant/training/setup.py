@@ -234,6 +234,7 @@ class RunSetup:
     dtype: torch.dtype
     sensitivity: dict[str, list[float]] | None = None  # tensor -> s per rung (training/sensitivity.py)
     curvature: dict[str, dict] | None = None  # tensor -> {"types", "m"}: fisher.curvature, for the search
+    gap: object | None = None  # relaxation.RelaxationGap under --relaxation_gap
     teacher_device: torch.device | None = None
     tp: object | None = None  # parallel.TPContext of a tensor-parallel rank
     tp_plan: object | None = None  # parallel.TPPlan

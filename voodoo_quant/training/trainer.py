@@ -121,7 +121,7 @@ class Trainer:
         if cfg.needs_sensitivity:
             from .sensitivity import ensure_table
 
-            need_curv = build and self.measures and cfg.search_evals > 0
+            need_curv = build and ((self.measures and cfg.search_evals > 0) or (cfg.relaxation_gap and cfg.method == "gates"))
             with _main_first(tp):  # rank 0 computes and saves the table; the others load it
                 sens = ensure_table(cfg, sensitivity_model(cfg, base, tp), plans, vectors, self.run.tokens,
                                     progress=self.progress, need_curvature=need_curv)
@@ -136,6 +136,10 @@ class Trainer:
             with _main_first(tp):  # rank 0 fills the candidate cache; the others read it
                 mixed.update(build_student(cfg, base, plans, budget, vectors, device, dtype, progress=self.progress,
                                            init_logits=init, tp=tp, tp_plan=tp_plan))
+            if cfg.relaxation_gap and self.run.curvature:
+                from .relaxation import RelaxationGap
+
+                self.run.gap = RelaxationGap(mixed, self.run.curvature)
             if tp is not None:
                 from ..parallel import apply_tp
 
@@ -301,9 +305,12 @@ class Trainer:
 
         expected = gate_sum((mq.expected_bytes() for mq in run.mixed.values()), run.device)
         pen = size_penalty(expected, run.budget.train_target_bytes, cfg.size_tolerance, cfg.size_weight)
-        if pen.requires_grad:
-            pen.backward()
-        loss = ce + cfg.distill_weight * kl + float(pen.detach())
+        gap = run.gap(run.device) if run.gap is not None else None  # after the TP sync: identical on every rank
+        extra = pen if gap is None else pen + cfg.distill_weight * gap
+        if extra.requires_grad:
+            extra.backward()
+        gap_v = 0.0 if gap is None else float(gap.detach())
+        loss = ce + cfg.distill_weight * (kl + gap_v) + float(pen.detach())
         opt.step()
         with torch.no_grad():
             ent = torch.stack([mq.entropy().cpu() for mq in run.mixed.values()]).mean()
@@ -312,6 +319,7 @@ class Trainer:
             step=step + 1, loss=float(loss), ce=float(ce), kl=float(kl), size_penalty=float(pen.detach()),
             expected_bytes=float(expected.detach()), target_bytes=run.budget.train_target_bytes, tau=tau,
             gate_entropy=float(ent), tokens_per_s=n_tok / dt, memory_bytes=methods.peak_memory_bytes(run.device),
+            relaxation_gap=gap_v,
         )
 
     # -- bake and outputs --------------------------------------------------------------------
