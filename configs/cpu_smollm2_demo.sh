@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 # ---- settings -------------------------------------------------------------------------------
 OUT=${OUT:-runs/demo}                 # the ladder: GGUFs, imatrix, eval.json, pareto.png, README.md; work/
 SIZES=${SIZES:-65}                    # standard sizes: Voodoo<SIZE> = SIZE % of uniform Q8_0
-STEPS=${STEPS:-20}                    # training steps per size
+STEPS=${STEPS:-10}                    # training steps per size (the gates; on CPU the search does most of the work)
 SEQ_LEN=${SEQ_LEN:-256}               # tokens per training sequence
 CALIB_SEQS=${CALIB_SEQS:-16}          # sequences for the imatrix
 EVAL_CHUNKS=${EVAL_CHUNKS:-10}        # llama-perplexity chunks of 512 tokens (held-out plays)
