@@ -137,3 +137,18 @@ def test_ablation_refuses_unknown_variants(abl, tmp_path):
     (tmp_path / "settings.json").write_text("{}")
     with pytest.raises(SystemExit, match="unknown nope"):
         abl.parse(["--base", str(tmp_path), "--variants", "ptqr,nope"])
+
+
+def test_paired_difference_cancels_the_texts_spread(rep):
+    """Two files whose per-chunk KLDs move together (hard and easy chunks) differ by a constant:
+    the paired difference resolves it with a standard error far below either file's spread."""
+    base = [0.05, 0.20, 0.08, 0.30, 0.11, 0.06]
+    knap = {**_row("k", "sensitivity", 89e6, sum(base) / 6, pct=60), "kld_chunks": base}
+    v0 = {**_row("v0", "voodoo", 89e6, 0.0, pct=60, seed=0), "kld_chunks": [x - 0.010 for x in base]}
+    v1 = {**_row("v1", "voodoo", 89e6, 0.0, pct=60, seed=1), "kld_chunks": [x - 0.012 + 0.001 * (i % 2) for i, x in enumerate(base)]}
+    rows = [knap, v0, v1]
+    mean = {"size_percent": 60, "names": ["v0", "v1"]}
+    d, se = rep.paired_difference(rows, mean, "sensitivity")
+    assert d == pytest.approx(-0.01075, abs=1e-12)  # (−0.010 + −0.0115) / 2
+    assert se < 0.001 < rep.stderr(base)
+    assert rep.paired_difference(rows, {"size_percent": 70, "names": ["v0"]}, "sensitivity") is None
