@@ -297,3 +297,28 @@ def test_training_with_the_relaxation_gap_logs_and_descends_it(gate_model_dir, t
     g_on = torch.stack([mq.gates.detach() for mq in on.run.mixed.values()])
     g_off = torch.stack([mq.gates.detach() for mq in off.run.mixed.values()])
     assert not torch.allclose(g_on, g_off)
+
+
+def test_curvature_extended_to_reference_rungs_is_stored_for_the_next_run(gate_model_dir, tmp_path, monkeypatch):
+    """The search's curvature over the references' off-menu types is saved with the table, so a
+    second run from the same inputs (the next size of a ladder) needs no second Fisher pass."""
+    import json as _json
+
+    from voodoo_quant import fileio
+    from voodoo_quant.training import fisher
+    from voodoo_quant.training.sensitivity import TABLE_NAME
+
+    first = Trainer(_cfg(gate_model_dir, tmp_path / "a", search_evals=2))
+    first.train()
+    stored = _json.loads(fileio.torch_load(tmp_path / "a" / TABLE_NAME, what="table")["curvature_json"])
+    menus = {p.name: set(p.menu.types) for p in first.run.plans}
+    assert any(set(c["types"]) > menus[n] for n, c in stored.items())  # off-menu rungs are in it
+    calls = []
+    real = fisher.fisher_diagonal
+    monkeypatch.setattr(fisher, "fisher_diagonal", lambda *a, **k: calls.append(1) or real(*a, **k))
+    (tmp_path / "b").mkdir()
+    fileio.write_bytes(tmp_path / "b" / TABLE_NAME, (tmp_path / "a" / TABLE_NAME).read_bytes())
+    second = Trainer(_cfg(gate_model_dir, tmp_path / "b", search_evals=2))
+    second.train()
+    assert calls == []
+    assert second.run.curvature == first.run.curvature

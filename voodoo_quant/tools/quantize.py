@@ -360,7 +360,7 @@ class Ladder:
             if cache is not None:
                 self.notes[f"train-Voodoo{size}"] = (f"teacher forward from the cache for {cache.hits} of "
                                                      f"{cache.hits + cache.misses} batches")
-            if (run / TABLE_NAME).is_file() and not shared.is_file():
+            if (run / TABLE_NAME).is_file():  # also when this size extended its curvature to more rungs
                 fileio.write_bytes(shared, (run / TABLE_NAME).read_bytes())
 
         self.step(f"train-Voodoo{size}", inputs, lambda: [run / "assignment.json", run / "tensor-types.txt"], body,

@@ -177,6 +177,14 @@ class Sensitivity:
     table: dict[str, list[float]]
     curvature: dict[str, dict] | None = None
     fisher: dict[str, torch.Tensor] | None = None
+    path: Path | None = None  # where it is stored, and the key it was stored under
+    key: str | None = None
+
+    def save(self, plans: Sequence) -> None:
+        """Store the table again (after the curvature was extended to more rungs), so that the next
+        run with the same inputs (another size of a ladder) needs no second Fisher pass."""
+        if self.path is not None and self.key is not None:
+            save_table(self.path, self.table, self.key, plans, self.curvature)
 
 
 def ensure_table(cfg, base: nn.Module, plans: Sequence, vectors, tokens: torch.Tensor,
@@ -200,7 +208,7 @@ def ensure_table(cfg, base: nn.Module, plans: Sequence, vectors, tokens: torch.T
     stored = load_stored(path, key)
     names = {p.name for p in plans}
     if stored is not None and set(stored[0]) == names and (stored[1] is not None or not need_curvature):
-        return Sensitivity(stored[0], stored[1])
+        return Sensitivity(stored[0], stored[1], path=path, key=key)
     weights = {n: w for n, (w, _) in selectable_weights(base).items()}
     blobs = candidate_blobs(plans, weights, vectors, progress=progress)  # the cache training reads too
     curv = fish = None
@@ -213,4 +221,4 @@ def ensure_table(cfg, base: nn.Module, plans: Sequence, vectors, tokens: torch.T
         table = compute_table(base, plans, weights, lambda p: blobs[p.name], calib)
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
     save_table(path, table, key, plans, curv)
-    return Sensitivity(table, curv, fish)
+    return Sensitivity(table, curv, fish, path=path, key=key)

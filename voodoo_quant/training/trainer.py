@@ -201,8 +201,8 @@ class Trainer:
         run, cfg = self.run, self.cfg
         if run.curvature is None:
             return
-        need = [p for p in run.plans if set(p.menu.types) | {t for (n, t) in run.extra_blobs if n == p.name}
-                != set(run.curvature[p.name]["types"])]
+        need = [p for p in run.plans if not (set(p.menu.types) | {t for (n, t) in run.extra_blobs if n == p.name}
+                                            <= set(run.curvature[p.name]["types"]))]
         if not need:
             return
         weights = {n: w for n, (w, _) in selectable_weights(base).items()}
@@ -213,6 +213,8 @@ class Trainer:
             blobs.update({t: b for (n, t), b in run.extra_blobs.items() if n == p.name})
             types, m = curvature(p, weights[p.name], fish[p.name], blobs)
             run.curvature[p.name] = {"types": types, "m": m.tolist()}
+        if self.is_main:
+            sens.save(run.plans)  # the next size of a ladder finds these rungs stored
 
     # -- training loop -----------------------------------------------------------------------
     def train(self) -> TrainResult:
