@@ -124,7 +124,7 @@ class Trainer:
             need_curv = build and self.measures and cfg.search_evals > 0
             with _main_first(tp):  # rank 0 computes and saves the table; the others load it
                 sens = ensure_table(cfg, sensitivity_model(cfg, base, tp), plans, vectors, self.run.tokens,
-                                    progress=self.progress, need_curvature=need_curv)
+                                    progress=self.progress, need_curvature=need_curv, device=device)
             self.run.sensitivity, self.run.curvature = sens.table, sens.curvature
         if build and cfg.method == "gates" and self.measures:
             self._plan_references(base, vectors, imx)
@@ -153,6 +153,10 @@ class Trainer:
                 base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
                 base.train()  # HF only checkpoints in training mode; the models have no dropout left active
                 _disable_dropout(base)
+                if tp is not None:  # each rank keeps 1/world of every layer's input (tp_checkpoint.py)
+                    from ..tp_checkpoint import install
+
+                    install(base, tp)
         info = {"path": cfg.imatrix, "sha256": getattr(imx, "sha256", None), "covered": len(vectors)}
         self.run.imatrix_info = info
         return self.run
