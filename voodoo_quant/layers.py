@@ -5,7 +5,9 @@ During training a selectable weight is the softmax mixture ``W = Σ_k p_k · W_k
 ``weight`` (``torch.nn.utils.parametrize``), so the layer's own forward is untouched: any Linear,
 Embedding or subclass (scaled embeddings, ...) works, and a tied embedding / LM head is one
 ``MixedQuant`` registered on both. Inside ``parametrize.cached()`` the mixture is computed once
-per forward call, not per token and not per use.
+per forward call, not per token and not per use; under ``--gradient_checkpointing`` the trainer
+mixes each layer's weights when the layer runs instead (``trainer.mixes_per_layer``), and a
+weight over ``MIX_CHUNK_ELEMENTS`` is mixed a block of rows at a time.
 
 Candidates are either held dequantized (eager) or packed as their ggml bytes (``--lazy``) and
 dequantized on the fly by :mod:`voodoo_quant.quants`. Either way the mixture runs through
