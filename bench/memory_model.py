@@ -49,7 +49,10 @@ def make_model(d: Path, hidden: int, layers: int, vocab: int, seq: int) -> Path:
 def flags(d: Path, out: Path, seq: int, extra: list[str]) -> list[str]:
     return ["train", "--model", str(d / "model"), "--data_dir", str(d / "data"), "--output_dir", str(out),
             "--candidate_types", *MENU, "--compression_ratio", "0.6", "--seq_len", str(seq), "--batch_size", "1",
-            "--max_steps", "2", "--no_warm_start", "--no_polish", "--loss_chunk_size", "128", *extra]
+            "--max_steps", "2", "--no_warm_start", "--no_polish", "--loss_chunk_size", "128",
+            # the training the memory model plans: not the post-bake measurements of a single-device
+            # run (guarantee, search: objective.py), which tensor-parallel runs never do
+            "--no_guarantee", "--search_evals", "0", *extra]
 
 
 def predict(argv: list[str], show: bool = False) -> float:

@@ -145,7 +145,7 @@ def plan_memory(cfg, model: nn.Module, plans: Sequence, *, adapter=None, tp_plan
         per_layer = _layer_numel(plans, sel, model)
         live = per_layer + (sel[head] if head else 0)
         mp.device.append(Term("mixed weights (one layer at a time)", live * db,
-                              f"one layer {per_layer / 1e6:.0f}e6 + LM head {(sel[head] if head else 0) / 1e6:.0f}e6 "
+                              f"one layer {per_layer / 1e6:.1f}e6 + LM head {(sel[head] if head else 0) / 1e6:.1f}e6 "
                               f"weights (of {sum(sel.values()) / 1e9:.2f}e9) x {db} B"))
     else:
         mp.device.append(Term("mixed weights (cached per step)", sum(sel.values()) * db,
@@ -192,8 +192,9 @@ def plan_memory(cfg, model: nn.Module, plans: Sequence, *, adapter=None, tp_plan
         teacher_terms.append(Term("teacher weights (packed Q8_0, --lazy)", t_bytes,
                                   f"8.5 bits/weight; {sum(sel.values()) * db / GB:.2f} GB dense in {cfg.dtype}"))
         h = sel[head] if head else 0
-        teacher_terms.append(Term("teacher dequantized on use", h * db + min(big, MIX_CHUNK_ELEMENTS) * 8,
-                                  "its LM head shard through the loss + one fp32 block"))
+        # a layer's weight is dequantized block by block in the teacher's forward, before the
+        # student's: that transient (8 B a weight) never meets the larger mixing transient
+        teacher_terms.append(Term("teacher dequantized on use", h * db, "its LM head shard, dense through the loss"))
     else:
         t_bytes = t_numel * db
         teacher_terms.append(Term("teacher weights", t_bytes, ("Q8_0 teacher held dequantized; --lazy packs it" if q8
@@ -240,7 +241,7 @@ def plan_memory(cfg, model: nn.Module, plans: Sequence, *, adapter=None, tp_plan
     n_tok = B * (T - 1)
     chunk = n_tok if cfg.loss_chunk_size <= 0 else min(cfg.loss_chunk_size, n_tok)
     v_rank = -(-vocab // world)
-    loss = 6 * chunk * v_rank * 4 + chunk * v_rank * db + 2 * n_tok * hidden * db
+    loss = loss_chunk_bytes(chunk, v_rank, db) + 2 * n_tok * hidden * db
     mp.device.append(Term("loss chunk (logits, log-softmax, KL)", loss,
                           f"{chunk} tokens x {v_rank} vocab" + ("" if cfg.loss_chunk_size > 0 else "; --loss_chunk_size bounds it")))
 
@@ -263,9 +264,20 @@ def plan_memory(cfg, model: nn.Module, plans: Sequence, *, adapter=None, tp_plan
     if on_host_teacher:
         mp.host.append(Term("teacher weights (--teacher_device)", t_bytes))
     if cfg.needs_sensitivity:
-        mp.host.append(Term("sensitivity pass", 0.0, "not modelled here (training/sensitivity.py); --no_warm_start --no_polish skip it"))
+        mp.host.append(Term("sensitivity pass", 0.0, "not modelled here (training/sensitivity.py); --no_warm_start "
+                                                     "--no_polish --no_guarantee skip it"))
+    if world == 1 and cfg.measures and cfg.method == "gates":
+        mp.host.append(Term("post-bake measurements", 0.0, "not modelled (guarantee, search: objective.py); "
+                                                            "--no_guarantee --search_evals 0 skip them"))
     mp.advice = _advice(cfg, mp, capacity, replan)
     return mp
+
+
+def loss_chunk_bytes(tokens: int, vocab: int, db: int) -> float:
+    """Peak bytes of one checkpointed loss chunk over `vocab` columns (bench/loss_memory.py):
+    six float32 [tokens, vocab] buffers (student and teacher logits, log-softmaxes, the KL
+    product) and the student's logits in the training dtype."""
+    return 6 * tokens * vocab * 4 + tokens * vocab * db
 
 
 def _mixes_per_layer(cfg) -> bool:
