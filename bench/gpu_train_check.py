@@ -22,6 +22,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 
 def train_flags(a) -> list[str]:
@@ -84,19 +85,11 @@ def make_tokens(model: Path, data: Path, n: int, seq: int) -> None:
 def make_qwen35(d: Path, hidden: int, layers: int, vocab: int) -> None:
     """A random Qwen3.5-shaped checkpoint (3 Gated DeltaNet layers per full-attention layer), bf16."""
     import torch
-    import transformers as T
 
-    torch.manual_seed(0)
-    heads = hidden // 128
-    cfg = T.Qwen3_5TextConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=max(2, heads // 4), head_dim=128,
-        linear_num_key_heads=max(2, heads // 2), linear_num_value_heads=heads, linear_key_head_dim=128,
-        linear_value_head_dim=128, layer_types=(["linear_attention"] * 3 + ["full_attention"]) * (layers // 4),
-        tie_word_embeddings=True, max_position_embeddings=8192)
-    m = T.Qwen3_5ForCausalLM(cfg).to(torch.bfloat16)
-    print(f"Qwen3.5-shaped: {sum(p.numel() for p in m.parameters()) / 1e9:.2f}e9 parameters", flush=True)
-    m.save_pretrained(d)
+    from qwen35 import save_qwen35
+
+    n = save_qwen35(d, hidden, layers, vocab, max_positions=8192, dtype=torch.bfloat16)
+    print(f"Qwen3.5-shaped: {n / 1e9:.2f}e9 parameters", flush=True)
 
 
 def main() -> None:

@@ -6,7 +6,8 @@ reports its own peak RSS (``ru_maxrss``) at exit, and :func:`voodoo_quant.memory
 the same run's CPU peak from the config alone. On CPU device memory and host memory are one RAM,
 so the prediction compared is :attr:`MemoryPlan.cpu_peak`. Printed: predicted, measured, error.
 
-    python bench/memory_model.py [--sizes 512 768 1024] [--seq_len 256] [--out bench/results/memory_model.json]
+    python bench/memory_model.py [--sizes 512 768 1024] [--seq_len 256] [--modes lazy lazy,ckpt,q8 eager]
+                                 [--out bench/results/memory_model.json]
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 MENU = ("Q8_0", "Q4_K", "Q2_K")
 
 _CHILD = """
@@ -37,28 +39,20 @@ finally:
 
 
 def make_model(d: Path, hidden: int, layers: int, vocab: int, seq: int) -> Path:
-    import torch
-    import transformers as T
+    from qwen35 import save_qwen35, save_tokens
 
-    torch.manual_seed(0)
-    heads = hidden // 128
-    cfg = T.Qwen3_5TextConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=max(1, heads // 4), head_dim=128,
-        linear_num_key_heads=max(1, heads // 2), linear_num_value_heads=heads, linear_key_head_dim=128,
-        linear_value_head_dim=128, layer_types=(["linear_attention"] * 3 + ["full_attention"]) * (layers // 4),
-        tie_word_embeddings=True, max_position_embeddings=4 * seq)
-    T.Qwen3_5ForCausalLM(cfg).save_pretrained(d / "model")
-    (d / "data").mkdir(parents=True, exist_ok=True)
-    g = torch.Generator().manual_seed(1)
-    torch.save(torch.randint(0, vocab, (8, seq), generator=g), d / "data" / "train_tokens.pt")
+    save_qwen35(d / "model", hidden, layers, vocab, max_positions=4 * seq)
+    save_tokens(d / "data", vocab, 8, seq)
     return d
 
 
 def flags(d: Path, out: Path, seq: int, extra: list[str]) -> list[str]:
     return ["train", "--model", str(d / "model"), "--data_dir", str(d / "data"), "--output_dir", str(out),
             "--candidate_types", *MENU, "--compression_ratio", "0.6", "--seq_len", str(seq), "--batch_size", "1",
-            "--max_steps", "2", "--no_warm_start", "--no_polish", "--loss_chunk_size", "128", *extra]
+            "--max_steps", "2", "--no_warm_start", "--no_polish", "--loss_chunk_size", "128",
+            # the training the memory model plans: not the post-bake measurements of a single-device
+            # run (guarantee, search: objective.py), which tensor-parallel runs never do
+            "--no_guarantee", "--search_evals", "0", *extra]
 
 
 def predict(argv: list[str], show: bool = False) -> float:
@@ -87,7 +81,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=32768)
     ap.add_argument("--seq_len", type=int, default=256)
-    ap.add_argument("--modes", nargs="+", default=["lazy", "lazy,ckpt", "eager"])
+    ap.add_argument("--modes", nargs="+", default=["lazy", "lazy,ckpt,q8", "eager"],
+                    help="comma-joined: lazy (--lazy), ckpt (--gradient_checkpointing), q8 (--teacher_quant Q8_0)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--workdir", type=Path, default=None, help="keep the models here (reused when present)")
     ap.add_argument("--show", action="store_true", help="print every plan's terms")
@@ -100,7 +95,8 @@ def main() -> None:
             if not (d / "model" / "config.json").is_file():
                 make_model(d, h, a.layers, a.vocab, a.seq_len)
             for mode in a.modes:
-                extra = (["--lazy"] if "lazy" in mode else []) + (["--gradient_checkpointing"] if "ckpt" in mode else [])
+                extra = ((["--lazy"] if "lazy" in mode else []) + (["--gradient_checkpointing"] if "ckpt" in mode else [])
+                         + (["--teacher_quant", "Q8_0"] if "q8" in mode else []))
                 argv = flags(d, Path(tmp) / f"run-h{h}-{mode}", a.seq_len, extra)
                 pred = predict(argv, a.show)
                 meas = measure(argv)

@@ -24,27 +24,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 MENU = ("Q8_0", "Q4_K", "Q2_K")
 
 
 def make_model(d: Path, hidden: int, layers: int, vocab: int, seq: int) -> int:
-    import torch
-    import transformers as T
+    from qwen35 import save_qwen35, save_tokens
 
-    torch.manual_seed(0)
-    heads = hidden // 128
-    cfg = T.Qwen3_5TextConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=max(2, heads // 4), head_dim=128,
-        linear_num_key_heads=max(2, heads // 2), linear_num_value_heads=heads, linear_key_head_dim=128,
-        linear_value_head_dim=128, layer_types=(["linear_attention"] * 3 + ["full_attention"]) * (layers // 4),
-        tie_word_embeddings=True, max_position_embeddings=4 * seq)
-    m = T.Qwen3_5ForCausalLM(cfg)
-    n = sum(p.numel() for p in m.parameters())
-    m.save_pretrained(d / "model")
-    (d / "data").mkdir(parents=True, exist_ok=True)
-    g = torch.Generator().manual_seed(1)
-    torch.save(torch.randint(0, vocab, (4, seq), generator=g), d / "data" / "train_tokens.pt")
+    n = save_qwen35(d / "model", hidden, layers, vocab, max_positions=4 * seq)
+    save_tokens(d / "data", vocab, 4, seq)
     return n
 
 

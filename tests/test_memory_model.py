@@ -67,6 +67,13 @@ def test_terms_follow_the_flags(gate_model_dir, tmp_path):
     assert _term(bf16, "mixed weights") == _term(eager, "mixed weights") / 2
     tp2 = dry_run(parse_train_flags(base + ["--tensor_parallel", "2"]), world=2).memory
     assert _term(tp2, "mixed weights") == pytest.approx(_term(eager, "mixed weights") / 2, rel=0.01)
+    # per-layer mixing under checkpointing, the packed Q8_0 teacher under --lazy, split layer inputs under TP
+    assert _term(ckpt, "mixed weights (one layer") < _term(eager, "mixed weights (cached")
+    q8 = ["--teacher_quant", "Q8_0"]
+    packed, dense = _mem(base + ["--lazy"] + q8), _mem(base + q8)
+    assert _term(packed, "teacher weights (packed") == pytest.approx(_term(dense, "teacher weights") * 34 / 32 / 4, rel=0.05)  # float32 default
+    tp2c = dry_run(parse_train_flags(base + ["--tensor_parallel", "2", "--gradient_checkpointing"]), world=2).memory
+    assert _term(tp2c, "activations") < _term(ckpt, "activations")
 
 
 def test_reference_recipe_plans_from_a_config_alone():
@@ -78,8 +85,11 @@ def test_reference_recipe_plans_from_a_config_alone():
     assert "selectable tensors: 498" in out
     assert "predicted memory per rank (4 rank(s), cuda)" in out
     assert "teacher weights" in out and "loss chunk" in out and "activations (--gradient_checkpointing)" in out
+    assert "mixed weights (one layer at a time)" in out and "teacher weights (packed Q8_0, --lazy)" in out
+    assert "split over 4 ranks" in out
     verdict = [ln for ln in out.splitlines() if "GB of 32 GB per device" in ln]
     assert len(verdict) == 1
-    if "DOES NOT FIT" in verdict[0]:
-        assert "change:" in out  # which flag to change, with the total it would give
+    if "DOES NOT FIT" in verdict[0]:  # one flag, exact up to summation order, makes it fit
+        assert any(ln.strip().startswith("change: --loss_chunk_size 1024") and ln.endswith("(fits)")
+                   for ln in out.splitlines()), out[-1500:]
     assert "torch.distributed.run" not in out  # nothing launched

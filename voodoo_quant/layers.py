@@ -5,7 +5,9 @@ During training a selectable weight is the softmax mixture ``W = Σ_k p_k · W_k
 ``weight`` (``torch.nn.utils.parametrize``), so the layer's own forward is untouched: any Linear,
 Embedding or subclass (scaled embeddings, ...) works, and a tied embedding / LM head is one
 ``MixedQuant`` registered on both. Inside ``parametrize.cached()`` the mixture is computed once
-per forward call, not per token and not per use.
+per forward call, not per token and not per use; under ``--gradient_checkpointing`` the trainer
+mixes each layer's weights when the layer runs instead (``trainer.mixes_per_layer``), and a
+weight over ``MIX_CHUNK_ELEMENTS`` is mixed a block of rows at a time.
 
 Candidates are either held dequantized (eager) or packed as their ggml bytes (``--lazy``) and
 dequantized on the fly by :mod:`voodoo_quant.quants`. Either way the mixture runs through
@@ -28,6 +30,51 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+# A weight with more elements than this is mixed, and its gate gradient taken, a block of rows at
+# a time (when its candidates can be read by rows): the float32 accumulator, the product and the
+# dequantized candidate then cost a block, not the tensor (a 27B model's 62080 x 5120 vocabulary
+# shard per rank would otherwise take 3.8 GB of transients). 2^25 elements: 134 MB of float32.
+MIX_CHUNK_ELEMENTS = 1 << 25
+
+
+def row_reader(get) -> Callable[[int, int, int], torch.Tensor] | None:
+    """(k, lo, hi) -> rows lo:hi (first dimension) of candidate k, or None when the candidates
+    cannot be read by rows (a layout that permutes across rows: then the tensor is mixed whole)."""
+    if isinstance(get, torch.Tensor):
+        return lambda k, lo, hi: get[k, lo:hi]
+    return getattr(get, "row_reader", None)
+
+
+def chunk_rows(shape: Sequence[int], limit: int | None = None) -> int:
+    """Rows per block for a weight of `shape` (all of them when it is small enough)."""
+    limit = MIX_CHUNK_ELEMENTS if limit is None else limit
+    rows = int(shape[0]) if len(shape) else 1
+    per_row = 1
+    for s in shape[1:]:
+        per_row *= int(s)
+    if rows * per_row <= limit:
+        return rows
+    return max(1, limit // max(1, per_row))
+
+
+def _mix_block(p: torch.Tensor, cand, stacked: torch.Tensor | None, k_count: int, acc: torch.dtype) -> torch.Tensor:
+    """Σ_k p_k W_k in `acc`: one matrix-vector product over a float32 stack, else in order into
+    one buffer (each product rounded to `acc`, then added)."""
+    if stacked is not None and stacked.dtype == acc:
+        return (p.to(acc) @ stacked.reshape(k_count, -1)).reshape(stacked.shape[1:])
+    out = buf = None
+    for k in range(k_count):
+        w = cand(k)
+        if out is None:
+            out = torch.empty(w.shape, dtype=acc, device=w.device)
+            buf = torch.empty_like(out)
+            out.copy_(w).mul_(p[k].to(acc))
+        else:
+            buf.copy_(w).mul_(p[k].to(acc))
+            out.add_(buf)
+    return out
+
+
 class _Mix(torch.autograd.Function):
     """W = Σ_k p_k W_k with dL/dp_k = <dL/dW, W_k>; `get` is the stacked (K, *shape) candidates
     (eager) or a callable k -> W_k producing them on demand (lazy).
@@ -39,40 +86,58 @@ class _Mix(torch.autograd.Function):
     dtype and then added, exactly as before, without allocating a temporary per candidate.
     Backward takes one dot product per candidate (no [shape] temporary either way), the same
     call for eager and lazy candidates.
+
+    A weight larger than ``MIX_CHUNK_ELEMENTS`` whose candidates can be read by rows is mixed a
+    block of rows at a time into the output (each element computed by the very same operations,
+    so the mixture is bit-identical), and backward sums the dot products block by block (the
+    same sums in another order: equal to float32 rounding; tests/test_mix_chunks.py).
     """
 
     @staticmethod
-    def forward(ctx, p: torch.Tensor, get, k_count: int, dtype: torch.dtype) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, p: torch.Tensor, get, k_count: int, dtype: torch.dtype, limit: int | None = None):  # type: ignore[override]
         acc = _acc_dtype(dtype)  # accumulate in at least float32
         stacked = get if isinstance(get, torch.Tensor) else None
-        if stacked is not None and stacked.dtype == acc:
-            out = (p.to(acc) @ stacked.reshape(k_count, -1)).reshape(stacked.shape[1:])
+        cand = (lambda k: stacked[k]) if stacked is not None else get
+        rows = row_reader(get)
+        shape = tuple(stacked.shape[1:]) if stacked is not None else getattr(get, "shape", None)
+        step = chunk_rows(shape, limit) if rows is not None and shape is not None else None
+        if step is None or step >= shape[0]:
+            out = _mix_block(p, cand, stacked, k_count, acc).to(dtype)
+            step = None
         else:
-            cand = (lambda k: stacked[k]) if stacked is not None else get
-            out = buf = None
-            for k in range(k_count):
-                w = cand(k)
+            out = None
+            for lo in range(0, shape[0], step):
+                hi = min(shape[0], lo + step)
+                sub = stacked[:, lo:hi] if stacked is not None else None
+                block = _mix_block(p, lambda k: rows(k, lo, hi), sub, k_count, acc)
                 if out is None:
-                    out = torch.empty(w.shape, dtype=acc, device=w.device)
-                    buf = torch.empty_like(out)
-                    out.copy_(w).mul_(p[k].to(acc))
-                else:
-                    buf.copy_(w).mul_(p[k].to(acc))
-                    out.add_(buf)
+                    out = torch.empty(shape, dtype=dtype, device=block.device)
+                out[lo:hi].copy_(block)
+                del block
         ctx.acc = acc
         ctx.get = get
         ctx.k_count = k_count
+        ctx.step = step
         ctx.save_for_backward(p)
-        return out.to(dtype)
+        return out
 
     @staticmethod
     def backward(ctx, grad_w: torch.Tensor):  # type: ignore[override]
         (p,) = ctx.saved_tensors
-        g = grad_w.to(ctx.acc).reshape(-1)
         get = ctx.get
-        cand = (lambda k: get[k]) if isinstance(get, torch.Tensor) else get
-        grads = torch.stack([torch.dot(g, cand(k).to(ctx.acc).reshape(-1)) for k in range(ctx.k_count)])
-        return grads.to(p.dtype), None, None, None
+        if ctx.step is None:
+            g = grad_w.to(ctx.acc).reshape(-1)
+            cand = (lambda k: get[k]) if isinstance(get, torch.Tensor) else get
+            grads = torch.stack([torch.dot(g, cand(k).to(ctx.acc).reshape(-1)) for k in range(ctx.k_count)])
+        else:
+            rows = row_reader(get)
+            grads = None
+            for lo in range(0, grad_w.shape[0], ctx.step):
+                hi = min(grad_w.shape[0], lo + ctx.step)
+                g = grad_w[lo:hi].to(ctx.acc).reshape(-1)
+                part = torch.stack([torch.dot(g, rows(k, lo, hi).to(ctx.acc).reshape(-1)) for k in range(ctx.k_count)])
+                grads = part if grads is None else grads.add_(part)
+        return grads.to(p.dtype), None, None, None, None
 
 
 def _device_of(candidates) -> torch.device:

@@ -159,6 +159,17 @@ class WeightReader:
             return False
         return True
 
+    @property
+    def is_teacher(self) -> bool:
+        """Whether the checkpoint is a ``voodoo-teacher/1`` (packed Q8_0 entries)."""
+        return self._teacher
+
+    def entry(self, name: str) -> dict[str, Any] | None:
+        """The raw ``voodoo-teacher/1`` entry of `name` (e.g. packed Q8_0 ``qs`` / ``d``), or None
+        when the tensor does not come from a teacher checkpoint."""
+        stored = self._stored(name)
+        return self._ckpt[stored] if self._teacher and stored in self._ckpt else None
+
     def get(self, name: str, shape: Sequence[int] | None = None) -> torch.Tensor:
         """The whole tensor `name`, float32 (a teacher entry dequantized exactly)."""
         name = self._stored(name)

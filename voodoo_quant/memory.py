@@ -4,18 +4,25 @@ Everything is derived from shapes (a skeleton model on the ``meta`` device is en
 from a ``config.json`` alone) and the run's flags; nothing is allocated. The terms follow what the
 code holds:
 
-* **mixed weights**: inside ``parametrize.cached()`` (training/trainer.py ``_step``) every gated
-  weight's mixture ``W = Σ p_k W_k`` is computed once per step and kept until the backward ends:
-  the rank's part of every selectable weight, in the training dtype;
+* **mixed weights**: without ``--gradient_checkpointing``, inside ``parametrize.cached()``
+  (training/trainer.py ``micro_backward``) every gated weight's mixture ``W = Σ p_k W_k`` is
+  computed once per step and kept until the backward ends: the rank's part of every selectable
+  weight, in the training dtype. With it, each layer's weights are mixed when the layer runs and
+  again when it is recomputed (``trainer.mixes_per_layer``): one decoder layer's mixtures, plus
+  the LM head's, which lives through the loss; and autograd's gradient of the largest one;
 * **candidates**: packed ggml bytes (``--lazy``; this rank's rows / blocks under TP) or K dense
-  copies (eager); plus the mixing transient of the largest tensor (float32 accumulator, one
-  candidate, its gradient);
+  copies (eager); plus the mixing transient: float32 accumulator, product and dequantized
+  candidate of the largest block ``layers._Mix`` mixes at once (a weight over
+  ``layers.MIX_CHUNK_ELEMENTS`` whose candidates can be read by rows is mixed by blocks of rows);
 * **gates and Adam**: K float32 logits, their gradient and two moments, and the float64 byte sizes;
-* **the teacher**: every weight in the training dtype (a Q8_0 teacher is held dequantized);
+* **the teacher**: every weight in the training dtype, or, under ``--lazy`` with a Q8_0 teacher,
+  its selectable weights as packed Q8_0 (8.5 bits, training/teacher_q8.py) plus what is
+  dequantized on use (the LM head's shard through the loss, one block of a layer's weight);
 * **activations**: what autograd saves for one decoder layer of each kind, counted by running
   that layer on ``meta`` at ``--batch_size`` × ``--seq_len`` under ``saved_tensors_hooks``
   (attention counted as a flash kernel saves it: q, k, v, output and the log-sum-exp, never the
-  T×T matrix); with ``--gradient_checkpointing`` only each layer's input is kept, plus one layer
+  T×T matrix); with ``--gradient_checkpointing`` only each layer's input is kept (under tensor
+  parallelism 1/world of it per rank, :mod:`voodoo_quant.tp_checkpoint`), plus one layer
   recomputed in backward;
 * **loss chunks**: ``--loss_chunk_size`` tokens × this rank's vocabulary in float32 (student and
   teacher logits, log-softmaxes, the KL product) and both models' final hidden states.
@@ -27,14 +34,14 @@ one device, or one full tensor and this rank's shards under tensor parallelism (
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
 import torch.nn as nn
+
+from .memory_probe import _layer_kinds, layer_saved_bytes
 
 GB = 1e9
 # Resident set of a Python process that has imported torch, transformers and this package
@@ -110,114 +117,6 @@ def _rank_numel(name: str, shape: Sequence[int], tp_plan, world: int) -> int:
     return _numel(shape) * len(sh.index(0, world)) // sh.size
 
 
-class _FakeTP:
-    """A one-process stand-in for the probe: collectives change no saved-tensor sizes."""
-
-    rank, is_main = 0, True
-
-    def __init__(self, world: int):
-        self.world = world
-
-    def all_reduce(self, t, op="sum"):
-        return t
-
-
-class _FlashSDPA(torch.autograd.Function):
-    """Saves what a flash-attention kernel saves (q, k, v, out, lse), not the T×T matrix."""
-
-    @staticmethod
-    def forward(ctx, q, k, v):  # type: ignore[override]
-        out = q.new_empty((*q.shape[:-1], v.shape[-1]))
-        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
-        ctx.save_for_backward(q, k, v, out, lse)
-        return out
-
-    @staticmethod
-    def backward(ctx, g):  # type: ignore[override]
-        q, k, v, _, _ = ctx.saved_tensors
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-
-
-@contextlib.contextmanager
-def _flash_attention():
-    import torch.nn.functional as F
-
-    old = F.scaled_dot_product_attention
-
-    def sdpa(q, k, v, *args, enable_gqa=False, **kw):
-        if k.shape[-3] != q.shape[-3]:  # grouped-query: the kernel reads shared k/v heads
-            rep = q.shape[-3] // k.shape[-3]
-            k, v = k.repeat_interleave(rep, -3), v.repeat_interleave(rep, -3)
-        return _FlashSDPA.apply(q, k, v)
-
-    F.scaled_dot_product_attention = sdpa
-    try:
-        yield
-    finally:
-        F.scaled_dot_product_attention = old
-
-
-def layer_saved_bytes(model: nn.Module, index: int, batch: int, seq: int, dtype: torch.dtype,
-                      adapter=None, world: int = 1) -> float:
-    """Bytes autograd saves for decoder layer `index` of `model` (run on ``meta``) on a
-    [batch, seq] input, this rank's heads under tensor parallelism; weights excluded."""
-    from .parallel import decoder_layers
-
-    _, layers = decoder_layers(model)
-    layer = copy.deepcopy(layers[index]).to(device="meta", dtype=dtype)
-    if world > 1 and adapter is not None and getattr(adapter, "supports_tp", False):
-        ls = adapter.shard_layer(layers[index], world)
-        for rel, sh in ls.params.items():
-            mname, _, pname = rel.rpartition(".")
-            mod = layer.get_submodule(mname) if mname else layer
-            p = getattr(mod, pname)
-            mod._parameters[pname] = nn.Parameter(sh.take(p.data, 0, world), requires_grad=False)
-        for rel, attrs in ls.attrs.items():
-            mod = layer.get_submodule(rel) if rel else layer
-            for k, v in attrs.items():
-                setattr(mod, k, v)
-    for p in layer.parameters():
-        p.requires_grad_(False)
-    hidden = model.config.get_text_config().hidden_size
-    x = torch.empty(batch, seq, hidden, device="meta", dtype=dtype, requires_grad=True)
-    pos = torch.arange(seq, device="meta").unsqueeze(0).expand(batch, -1)
-    base = getattr(model, model.base_model_prefix)
-    rot = getattr(base, "rotary_emb", None)
-    kw: dict[str, Any] = {"attention_mask": None, "position_ids": pos}
-    if rot is not None:
-        rot = copy.deepcopy(rot).to("meta")
-        kw["position_embeddings"] = rot(x, pos)
-    params = {p.untyped_storage()._cdata for p in layer.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor):
-        st = t.untyped_storage()
-        if st._cdata not in params and t.requires_grad is not None:
-            seen[st._cdata] = st.nbytes()
-        return t
-
-    with _flash_attention(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        try:
-            layer(x, **kw)
-        except TypeError:
-            kw.pop("position_embeddings", None)
-            layer(x, **kw)
-    return float(sum(seen.values()))
-
-
-def _layer_kinds(model: nn.Module) -> list[int]:
-    """Index of the first decoder layer of each distinct layer class/kind."""
-    from .parallel import decoder_layers
-
-    _, layers = decoder_layers(model)
-    kinds: dict[Any, int] = {}
-    types = getattr(model.config.get_text_config(), "layer_types", None)
-    for i, layer in enumerate(layers):
-        key = (type(layer).__name__, types[i] if types and i < len(types) else None)
-        kinds.setdefault(key, i)
-    return list(kinds.values())
-
-
 def plan_memory(cfg, model: nn.Module, plans: Sequence, *, adapter=None, tp_plan=None, world: int = 1,
                 capacity: float | None = None, device_kind: str | None = None, replan=None) -> MemoryPlan:
     """The memory plan of `cfg` (a TrainConfig) for `model` (a skeleton or loaded model, not yet
@@ -236,18 +135,42 @@ def plan_memory(cfg, model: nn.Module, plans: Sequence, *, adapter=None, tp_plan
     planned = {p.name for p in plans} | {f"{m}.weight" for p in plans for m in p.modules}
 
     # -- weights and candidates -----------------------------------------------------------------
+    from .layers import MIX_CHUNK_ELEMENTS, chunk_rows
+
     sel = {p.name: _rank_numel(p.name, p.shape, tp_plan, world) for p in plans}
     frac = {p.name: sel[p.name] / _numel(p.shape) for p in plans}
-    mp.device.append(Term("mixed weights (cached per step)", sum(sel.values()) * db,
-                          f"{sum(sel.values()) / 1e9:.2f}e9 weights x {db} B"))
+    big = max(sel.values())
+    head = _head_plan(model, plans)
+    if _mixes_per_layer(cfg):
+        per_layer = _layer_numel(plans, sel, model)
+        live = per_layer + (sel[head] if head else 0)
+        mp.device.append(Term("mixed weights (one layer at a time)", live * db,
+                              f"one layer {per_layer / 1e6:.1f}e6 + LM head {(sel[head] if head else 0) / 1e6:.1f}e6 "
+                              f"weights (of {sum(sel.values()) / 1e9:.2f}e9) x {db} B"))
+    else:
+        mp.device.append(Term("mixed weights (cached per step)", sum(sel.values()) * db,
+                              f"{sum(sel.values()) / 1e9:.2f}e9 weights x {db} B"
+                              + ("; --gradient_checkpointing mixes one layer at a time" if not cfg.gradient_checkpointing else "")))
+    mp.device.append(Term("gradient of the largest mixed weight", big * db, "autograd's dL/dW, in the training dtype"))
     if cfg.lazy:
         cand = sum(sum(p.sizes) * frac[p.name] for p in plans)
         mp.device.append(Term("candidates (packed, --lazy)", cand, f"{cand * 8 / max(1, sum(sel.values())):.1f} bits/weight"))
     else:
         cand = sum(len(p.sizes) * sel[p.name] * db for p in plans)
         mp.device.append(Term("candidates (dense, eager)", cand, "K dense copies; --lazy packs them"))
-    big = max(sel.values())
-    mp.device.append(Term("mixing transient (largest tensor)", big * (4 + 4 + 2 * db), "fp32 accumulator + term + W_k + dL/dW"))
+
+    def block(p) -> int:  # the elements layers._Mix mixes at once for plan p
+        n = sel[p.name]
+        if n <= MIX_CHUNK_ELEMENTS or (cfg.lazy and not _rows_readable(p)):
+            return n
+        shape = (n // (_numel(p.shape) // p.shape[0]), _numel(p.shape) // p.shape[0])
+        return chunk_rows(shape) * shape[1]
+
+    blk = max(block(p) for p in plans)
+    per = (4 + 4 + 4 + db) if cfg.lazy else (4 + 4)
+    mp.device.append(Term("mixing transient (largest block)", blk * per,
+                          f"{blk / 1e6:.1f}e6 weights: fp32 accumulator + product" + (" + dequantized W_k" if cfg.lazy else "")
+                          + (f"; blocks of rows over {MIX_CHUNK_ELEMENTS / 1e6:.1f}e6" if blk < big else "")))
     others = 0
     seen: set[int] = set()
     for name, p in [*model.named_parameters(remove_duplicate=False)]:
@@ -261,11 +184,23 @@ def plan_memory(cfg, model: nn.Module, plans: Sequence, *, adapter=None, tp_plan
 
     # -- the teacher ----------------------------------------------------------------------------
     t_numel = sum(sel.values()) + others
-    t_note = "Q8_0 teacher held dequantized" if (cfg.teacher_quant == "Q8_0" or cfg.teacher_checkpoint) else "float teacher"
-    teacher = Term("teacher weights", t_numel * db, t_note)
+    q8 = cfg.teacher_quant == "Q8_0" or bool(cfg.teacher_checkpoint)
     on_host_teacher = bool(cfg.teacher_device) and cfg.teacher_device != cfg.device
+    teacher_terms = []
+    if q8 and cfg.lazy:  # training/teacher_q8.py
+        t_bytes = sum(sel.values()) * 34 / 32 + others * db
+        teacher_terms.append(Term("teacher weights (packed Q8_0, --lazy)", t_bytes,
+                                  f"8.5 bits/weight; {sum(sel.values()) * db / GB:.2f} GB dense in {cfg.dtype}"))
+        h = sel[head] if head else 0
+        # a layer's weight is dequantized block by block in the teacher's forward, before the
+        # student's: that transient (8 B a weight) never meets the larger mixing transient
+        teacher_terms.append(Term("teacher dequantized on use", h * db, "its LM head shard, dense through the loss"))
+    else:
+        t_bytes = t_numel * db
+        teacher_terms.append(Term("teacher weights", t_bytes, ("Q8_0 teacher held dequantized; --lazy packs it" if q8
+                                                                else "float teacher")))
     if not on_host_teacher:
-        mp.device.append(teacher)
+        mp.device.extend(teacher_terms)
 
     # -- activations ----------------------------------------------------------------------------
     B, T = cfg.batch_size, cfg.seq_len
@@ -287,7 +222,12 @@ def plan_memory(cfg, model: nn.Module, plans: Sequence, *, adapter=None, tp_plan
 
     all_layers = sum(saved_of(j) for j in range(n_layers))
     layer_in = B * T * hidden * db
-    if cfg.gradient_checkpointing:
+    if cfg.gradient_checkpointing and world > 1:  # tp_checkpoint.py: 1/world of each kept input
+        act = n_layers * layer_in / world + layer_in + max(per_kind.values()) + 2 * B * T * hidden * 4
+        mp.device.append(Term("activations (--gradient_checkpointing)", act,
+                              f"{n_layers} layer inputs split over {world} ranks ({n_layers * layer_in / world / GB:.2f} GB) "
+                              f"+ one gathered and recomputed ({(layer_in + max(per_kind.values())) / GB:.2f} GB)"))
+    elif cfg.gradient_checkpointing:
         act = n_layers * layer_in + max(per_kind.values()) + 2 * B * T * hidden * 4
         mp.device.append(Term("activations (--gradient_checkpointing)", act,
                               f"{n_layers} layer inputs + one layer recomputed ({max(per_kind.values()) / GB:.2f} GB)"))
@@ -301,7 +241,7 @@ def plan_memory(cfg, model: nn.Module, plans: Sequence, *, adapter=None, tp_plan
     n_tok = B * (T - 1)
     chunk = n_tok if cfg.loss_chunk_size <= 0 else min(cfg.loss_chunk_size, n_tok)
     v_rank = -(-vocab // world)
-    loss = 6 * chunk * v_rank * 4 + chunk * v_rank * db + 2 * n_tok * hidden * db
+    loss = loss_chunk_bytes(chunk, v_rank, db) + 2 * n_tok * hidden * db
     mp.device.append(Term("loss chunk (logits, log-softmax, KL)", loss,
                           f"{chunk} tokens x {v_rank} vocab" + ("" if cfg.loss_chunk_size > 0 else "; --loss_chunk_size bounds it")))
 
@@ -312,18 +252,69 @@ def plan_memory(cfg, model: nn.Module, plans: Sequence, *, adapter=None, tp_plan
     mp.host.append(Term("process baseline (torch, transformers)", PROCESS_BASELINE))
     if world > 1:
         mp.host.append(Term("one full tensor in flight (float32)", 3 * biggest * 4, "read, GGUF-layout copy, quantizer input"))
-        mp.host.append(Term("teacher shards (cast as read)", t_numel * db))
+        mp.host.append(Term("teacher shards (cast as read)" if not (q8 and cfg.lazy) else "teacher shards (packed Q8_0)",
+                            t_bytes))
         mp.host.append(Term("student small weights (float32, whole)", sum(
             p.numel() for n, p in model.named_parameters() if n not in planned) * 4))
     else:
         mp.host.append(Term("student + teacher, float32 (deep copy)", 2 * full * 4, "loaded whole on one device"))
+        if q8 and cfg.lazy:  # teacher_q8.py: the blocks exist before the float copy is dropped
+            mp.host.append(Term("teacher Q8_0 blocks (packed at load)", sum(sel.values()) * 34 / 32))
         mp.host.append(Term("one tensor's candidate bytes", sum(max(p.sizes) for p in plans[:1]) * 2))
     if on_host_teacher:
-        mp.host.append(Term("teacher weights (--teacher_device)", t_numel * db))
+        mp.host.append(Term("teacher weights (--teacher_device)", t_bytes))
     if cfg.needs_sensitivity:
-        mp.host.append(Term("sensitivity pass", 0.0, "not modelled here (training/sensitivity.py); --no_warm_start --no_polish skip it"))
+        mp.host.append(Term("sensitivity pass", 0.0, "not modelled here (training/sensitivity.py); --no_warm_start "
+                                                     "--no_polish --no_guarantee skip it"))
+    if world == 1 and cfg.measures and cfg.method == "gates":
+        mp.host.append(Term("post-bake measurements", 0.0, "not modelled (guarantee, search: objective.py); "
+                                                            "--no_guarantee --search_evals 0 skip them"))
     mp.advice = _advice(cfg, mp, capacity, replan)
     return mp
+
+
+def loss_chunk_bytes(tokens: int, vocab: int, db: int) -> float:
+    """Peak bytes of one checkpointed loss chunk over `vocab` columns (bench/loss_memory.py):
+    six float32 [tokens, vocab] buffers (student and teacher logits, log-softmaxes, the KL
+    product) and the student's logits in the training dtype."""
+    return 6 * tokens * vocab * 4 + tokens * vocab * db
+
+
+def _mixes_per_layer(cfg) -> bool:
+    """training/trainer.py ``mixes_per_layer``: checkpointing, no routed steps."""
+    return bool(cfg.gradient_checkpointing and not cfg.ptqr and cfg.st_gumbel_fraction <= 0)
+
+
+def _head_plan(model: nn.Module, plans: Sequence) -> str | None:
+    """The plan of the LM head's weight (tied or not), if it is gated."""
+    for p in plans:
+        if any(m in ("lm_head", "output", "embed_out") or m.endswith(".lm_head") for m in p.modules):
+            return p.name
+    return None
+
+
+def _layer_numel(plans: Sequence, sel: dict, model: nn.Module) -> int:
+    """The rank's gated weights of the largest decoder layer."""
+    from .parallel import decoder_layers
+
+    prefix, layers = decoder_layers(model)
+    per: dict[int, int] = {}
+    for p in plans:
+        rest = p.name[len(prefix) + 1:] if p.name.startswith(prefix + ".") else ""
+        idx = rest.split(".", 1)[0]
+        if idx.isdigit():
+            per[int(idx)] = per.get(int(idx), 0) + sel[p.name]
+    return max(per.values(), default=0)
+
+
+def _rows_readable(p) -> bool:
+    """Whether lazy candidates of plan `p` can be read by rows (student.PackedCandidates.row_reader)."""
+    from .student import IdentityLayout
+
+    inner = getattr(p.layout, "inner", None)
+    if len(p.shape) != 2:
+        return False
+    return inner.is_identity if inner is not None else isinstance(p.layout, IdentityLayout)
 
 
 def _advice(cfg, mp: MemoryPlan, capacity, replan) -> list[str]:

@@ -188,6 +188,14 @@ class TPContext:
 
         dist.barrier()
 
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's `t` (same shape and dtype on every rank), in rank order."""
+        import torch.distributed as dist
+
+        out = [torch.empty_like(t) for _ in range(self.world)]
+        dist.all_gather(out, t.contiguous())
+        return out
+
     def all_gather_object(self, obj: Any) -> list[Any]:
         import torch.distributed as dist
 

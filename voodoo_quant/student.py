@@ -231,6 +231,30 @@ class PackedCandidates:
     def device(self) -> torch.device:
         return self.packed[0].device
 
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.plan.shape)
+
+    @property
+    def row_reader(self):
+        """(k, lo, hi) -> HF rows lo:hi of candidate k, dequantized from those rows' bytes alone,
+        where the GGUF rows are the HF rows in order (an identity layout, as the embedding and
+        the LM head have); else None (layers._Mix then mixes the tensor whole)."""
+        lay = self.plan.layout
+        inner = getattr(lay, "inner", None)
+        if len(self.plan.shape) != 2 or (inner is not None and not inner.is_identity) or \
+                (inner is None and not isinstance(lay, IdentityLayout)):
+            return None
+        return self._rows
+
+    def _rows(self, k: int, lo: int, hi: int) -> torch.Tensor:
+        from . import quants
+
+        t = self.plan.menu.types[k]
+        rb = qt.get(t).row_bytes(self.plan.n_per_row)
+        m = quants.dequantize(self.packed[k][lo * rb:hi * rb], t, (hi - lo, self.plan.n_per_row))
+        return m.to(self.dtype)
+
 
 @dataclass
 class ShardedPacked:
@@ -271,6 +295,23 @@ class ShardedPacked:
     @property
     def device(self) -> torch.device:
         return self.packed[0].device
+
+    @property
+    def row_reader(self):
+        """(k, lo, hi) -> this rank's HF rows lo:hi of candidate k from those rows' bytes alone
+        (the held bytes are whole rows, one per HF row after `row_sel`); None for a scattered
+        shard (the whole tensor's bytes, dequantized then sliced)."""
+        return None if self.fallback is not None or len(self.shape) != 2 else self._rows
+
+    def _rows(self, k: int, lo: int, hi: int) -> torch.Tensor:
+        from . import quants
+
+        held = self.packed[k].reshape(self.sub_shape[0], -1)
+        part = held[lo:hi] if self.row_sel is None else held.index_select(0, self.row_sel[lo:hi])
+        m = quants.dequantize(part.contiguous(), self.types[k], (hi - lo, self.sub_shape[1]))
+        if self.col_sel is not None:
+            m = m.index_select(1, self.col_sel)
+        return m.to(self.dtype)
 
     @classmethod
     def build(cls, plan: TensorPlan, blobs: Sequence[bytes], shard, rank: int, world: int,

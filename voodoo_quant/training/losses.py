@@ -105,8 +105,10 @@ def distill_terms(
     student: nn.Module, teacher: nn.Module, ids: torch.Tensor, *, chunk_tokens: int = 0,
     teacher_device: torch.device | None = None, router=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(CE, KL) of one batch. The student forward must run inside ``parametrize.cached()`` (the
-    caller's), the teacher runs on `teacher_device` (default: the student's) without grad."""
+    """(CE, KL) of one batch. The student forward runs inside ``parametrize.cached()`` (the
+    caller's) or, under gradient checkpointing, mixes each layer's weights as it runs
+    (``trainer.micro_backward``); the LM head's mixture is taken once here either way. The
+    teacher runs on `teacher_device` (default: the student's) without grad."""
     tdev = teacher_device or ids.device
     n_pred = ids.shape[0] * (ids.shape[1] - 1)
     if chunk_tokens <= 0 or n_pred <= chunk_tokens or chunk_reason(student) is not None or chunk_reason(teacher) is not None:

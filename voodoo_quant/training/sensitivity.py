@@ -2,8 +2,9 @@
 
     s(t, q) = ‖(W_q − W) X‖² / ‖W X‖²
 
-over the inputs X that tensor sees on calibration tokens. One hooked forward pass of the float
-model collects, per use of a tensor, the Gram matrix ``C = Σ_i x_i x_iᵀ`` of a Linear's inputs (so
+over the inputs X that tensor sees on calibration tokens. A hooked forward pass of the float
+model collects, per use of a tensor, the Gram matrix ``C = Σ_i x_i x_iᵀ`` of a Linear's inputs
+(float32, on the run's device, for groups of tensors within ``GRAM_BYTES``: one pass per group; so
 ``‖ΔW X‖² = Σ (ΔW C) ⊙ ΔW`` needs no token loop), or the token counts of an Embedding's lookups
 (``Σ_v n_v ‖ΔW[v]‖²``). A tied embedding / LM head sums both uses. The candidates W_q are the
 very bytes training uses (the candidate cache), dequantized by libggml-base.
@@ -32,31 +33,44 @@ TABLE_NAME = "sensitivity.pt"
 TABLE_VERSION = 2
 
 
-class _Stats:
-    """Per-module input statistics, accumulated in float64 on the CPU."""
+# Gram matrices held at once (float32 bytes): plans are captured in groups under this, one
+# calibration pass per group, so the statistics never hold the model's Σ columns² at once (a 27B
+# model's would be ~100 GB in float32). A small model is one group: one pass, as before.
+GRAM_BYTES = 1 << 31
 
-    def __init__(self) -> None:
+
+class _Stats:
+    """Per-module input statistics, accumulated in float32 on `device` (the run's device; default:
+    where each input is)."""
+
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.device = device
         self.gram: dict[str, torch.Tensor] = {}
         self.counts: dict[str, torch.Tensor] = {}
 
+    def _dev(self, t: torch.Tensor) -> torch.device:
+        return self.device if self.device is not None else t.device
+
     def hook_linear(self, name: str):
         def hook(mod, args, _out):
-            x = args[0].detach().reshape(-1, args[0].shape[-1]).to(torch.float64).cpu()
+            x = args[0].detach().reshape(-1, args[0].shape[-1])
+            x = x.to(device=self._dev(x), dtype=torch.float32)
             g = x.t() @ x
             self.gram[name] = g if name not in self.gram else self.gram[name].add_(g)
         return hook
 
     def hook_embedding(self, name: str, vocab: int):
         def hook(mod, args, _out):
-            c = torch.bincount(args[0].detach().reshape(-1).cpu(), minlength=vocab).to(torch.float64)
+            ids = args[0].detach().reshape(-1)
+            c = torch.bincount(ids.to(self._dev(ids)), minlength=vocab)  # int64: exact counts
             self.counts[name] = c if name not in self.counts else self.counts[name].add_(c)
         return hook
 
 
-def capture_inputs(model: nn.Module, plans: Sequence, tokens: torch.Tensor) -> _Stats:
+def capture_inputs(model: nn.Module, plans: Sequence, tokens: torch.Tensor, device: torch.device | None = None) -> _Stats:
     """One no-grad forward over `tokens` ([n, seq]) with hooks on every use of every planned tensor."""
     modules = dict(model.named_modules())
-    stats = _Stats()
+    stats = _Stats(device)
     handles = []
     try:
         for p in plans:
@@ -75,25 +89,60 @@ def capture_inputs(model: nn.Module, plans: Sequence, tokens: torch.Tensor) -> _
     return stats
 
 
+def gram_bytes(plan, modules: dict) -> int:
+    """float32 bytes of the statistics of `plan` (a Gram per Linear use, counts per Embedding use)."""
+    n = 0
+    for mname in plan.modules:
+        mod = modules[mname]
+        n += mod.num_embeddings * 8 if isinstance(mod, nn.Embedding) else getattr(mod, "in_features", 0) ** 2 * 4
+    return n
+
+
+def capture_groups(model: nn.Module, plans: Sequence, budget: int = GRAM_BYTES) -> list[list]:
+    """`plans` in order, cut into groups whose statistics fit `budget` (a larger plan alone)."""
+    modules = dict(model.named_modules())
+    groups: list[list] = [[]]
+    used = 0
+    for p in plans:
+        b = gram_bytes(p, modules)
+        if groups[-1] and used + b > budget:
+            groups.append([])
+            used = 0
+        groups[-1].append(p)
+        used += b
+    return [g for g in groups if g]
+
+
 def _output_energy(w: torch.Tensor, mname: str, stats: _Stats) -> float:
-    """‖w X‖² for one use of the tensor (0 when the use saw no input)."""
+    """‖w X‖² for one use of the tensor (0 when the use saw no input); `w` float32 on the
+    statistics' device."""
     if mname in stats.gram:
         c = stats.gram[mname]
-        return float(((w @ c) * w).sum())
+        return float(((w @ c) * w).sum(dtype=torch.float64))
     if mname in stats.counts:
-        return float(((w * w).sum(dim=1) * stats.counts[mname]).sum())
+        c = stats.counts[mname].to(torch.float32)
+        return float(((w * w).sum(dim=1) * c).sum(dtype=torch.float64))
     return 0.0
+
+
+def _stats_device(plan, stats: _Stats) -> torch.device:
+    for m in plan.modules:
+        t = stats.gram.get(m, stats.counts.get(m))
+        if t is not None:
+            return t.device
+    return torch.device("cpu")
 
 
 def tensor_sensitivities(plan, weight: torch.Tensor, blobs: Sequence[bytes], stats: _Stats) -> list[float]:
     """s(t, q) for every rung of `plan`'s menu, from the rung's ggml bytes."""
     lib = ggml.lib()
-    w = weight.detach().to(torch.float64).cpu()
+    dev = _stats_device(plan, stats)
+    w = weight.detach().to(device=dev, dtype=torch.float32)
     den = sum(_output_energy(w, m, stats) for m in plan.modules)
     out = []
     for qtype, blob in zip(plan.menu.types, blobs):
         deq = lib.dequantize(blob, qtype, (plan.rows, plan.n_per_row), name=plan.name)
-        wq = plan.layout.from_gguf(torch.from_numpy(deq)).to(torch.float64).reshape(w.shape)
+        wq = plan.layout.from_gguf(torch.from_numpy(deq)).to(device=dev, dtype=torch.float32).reshape(w.shape)
         num = sum(_output_energy(wq - w, m, stats) for m in plan.modules)
         out.append(num / den if den > 0 else 0.0)
     return out
@@ -117,13 +166,17 @@ def table_key(plans: Sequence, tokens: torch.Tensor, model: str, *, weights_sha2
 
 def compute_table(
     model: nn.Module, plans: Sequence, weights: Mapping[str, torch.Tensor],
-    blobs_for, tokens: torch.Tensor,
+    blobs_for, tokens: torch.Tensor, *, device: torch.device | None = None, budget: int = GRAM_BYTES,
 ) -> dict[str, list[float]]:
-    """tensor -> [s per menu rung]. `blobs_for(plan)` returns the rung bytes (from the cache)."""
-    stats = capture_inputs(model, plans, tokens)
+    """tensor -> [s per menu rung]. `blobs_for(plan)` returns the rung bytes (from the cache).
+    The statistics are float32 on `device`, captured for groups of plans within `budget` bytes
+    (one calibration pass per group), each group's freed before the next."""
     table = {}
-    for p in plans:
-        table[p.name] = tensor_sensitivities(p, weights[p.name], blobs_for(p), stats)
+    for group in capture_groups(model, plans, budget):
+        stats = capture_inputs(model, group, tokens, device)
+        for p in group:
+            table[p.name] = tensor_sensitivities(p, weights[p.name], blobs_for(p), stats)
+        del stats
     return table
 
 
@@ -188,7 +241,8 @@ class Sensitivity:
 
 
 def ensure_table(cfg, base: nn.Module, plans: Sequence, vectors, tokens: torch.Tensor,
-                 *, progress: bool = False, need_curvature: bool = False) -> Sensitivity:
+                 *, progress: bool = False, need_curvature: bool = False,
+                 device: torch.device | None = None) -> Sensitivity:
     """The run's sensitivity table of ``--sensitivity_kind``: reused from
     ``<output_dir>/sensitivity.pt`` when it was made from the same inputs, else computed from the
     float `base` (before the gates replace its weights) on the first ``--sensitivity_sequences``
@@ -218,7 +272,7 @@ def ensure_table(cfg, base: nn.Module, plans: Sequence, vectors, tokens: torch.T
     if kind == "fisher":
         table = {n: [c["m"][k][k] for k in range(len(c["types"]))] for n, c in curv.items()}
     else:
-        table = compute_table(base, plans, weights, lambda p: blobs[p.name], calib)
+        table = compute_table(base, plans, weights, lambda p: blobs[p.name], calib, device=device)
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
     save_table(path, table, key, plans, curv)
     return Sensitivity(table, curv, fish, path=path, key=key)

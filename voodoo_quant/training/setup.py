@@ -66,14 +66,22 @@ def load_models(cfg: TrainConfig, dtype: torch.dtype, *, sharded: bool = False) 
         return _skeletons(cfg)
     from ..modeling import load_model
 
+    from .teacher_q8 import pack_teacher, packs_teacher
+
     base = load_model(cfg.model, text_model_class=cfg.text_model_class, dtype=torch.float32)
     if cfg.base_checkpoint:
         _load_into(base, cfg.base_checkpoint, "base checkpoint")
     teacher = copy.deepcopy(base)
+    # --lazy with a Q8_0 teacher: its selectable weights held packed (training/teacher_q8.py); a
+    # tensor-parallel rank that loads whole packs nothing (apply_tp splits dense weights)
+    pack = packs_teacher(cfg) and cfg.tensor_parallel == 1
+    entries: dict = {}
     if cfg.teacher_checkpoint:
-        _load_into(teacher, cfg.teacher_checkpoint, "teacher checkpoint")
+        entries = _load_into(teacher, cfg.teacher_checkpoint, "teacher checkpoint", q8_entries=pack)
     elif cfg.teacher_quant == "Q8_0":
-        _quantize_teacher_q8(teacher)
+        entries = _quantize_teacher_q8(teacher, keep_entries=pack)
+    if entries:
+        pack_teacher(teacher, entries, dtype)
     for p in teacher.parameters():
         p.requires_grad_(False)
     for p in base.parameters():
@@ -95,6 +103,7 @@ def _skeletons(cfg: TrainConfig) -> tuple[nn.Module, nn.Module]:
     tsrc = cfg.teacher_checkpoint or cfg.base_checkpoint
     teacher.voodoo_reader = WeightReader(cfg.model, teacher, checkpoint=tsrc)
     teacher.voodoo_q8 = cfg.teacher_quant == "Q8_0" and not cfg.teacher_checkpoint
+    teacher.voodoo_pack = cfg.lazy and (teacher.voodoo_q8 or teacher.voodoo_reader.is_teacher)  # teacher_q8.py
     teacher.voodoo_dtype = TORCH_DTYPES[cfg.dtype]  # each shard is cast as it is read
     return base, teacher
 
@@ -152,11 +161,41 @@ def shard_teacher(teacher: nn.Module, tp_plan, tp) -> None:
         return reader.get_shard(name, sh.dim, sh.bounds(tp.rank, tp.world), shape)
 
     dtype = getattr(teacher, "voodoo_dtype", torch.float32)
-    _materialize(teacher, meta_names(teacher), lambda n: read(n).to(dtype))
+    names = meta_names(teacher)
+    entries = {}
+    if getattr(teacher, "voodoo_pack", False):  # --lazy: this rank's Q8_0 blocks, kept packed
+        for n in names:
+            if n in selectable and (e := _q8_shard_entry(reader, n, params, tp_plan.shard_of(n), tp)) is not None:
+                entries[n] = e
+    _materialize(teacher, [n for n in names if n not in entries], lambda n: read(n).to(dtype))
+    if entries:
+        from .teacher_q8 import pack_teacher
+
+        pack_teacher(teacher, entries, dtype)
     teacher.to(dtype)  # its float buffers too, as the whole-model path's teacher.to(dtype) does
     # every split tensor is already this rank's part: apply_tp only adds the collectives
     apply_tp(teacher, tp_plan, tp, gated=set(tp_plan.params))
     del teacher.voodoo_reader
+
+
+def _q8_shard_entry(reader, name: str, params, sh, tp):
+    """This rank's Q8_0 entry of selectable weight `name` (training/teacher_q8.py): rows or whole
+    blocks of a teacher checkpoint's entry, or of the float weight quantized like :func:`_q8`
+    (a row shard directly, a column shard from the whole tensor); None where the row length
+    falls back to F16 or the split cuts Q8_0 blocks (that shard stays dense)."""
+    from ..checkpoints import teacher_entry
+    from .teacher_q8 import is_q8_entry, shard_entry
+
+    shape = tuple(params[name].shape) if name in params else None
+    e = reader.entry(name)
+    if e is None:  # a float source: quantize as _q8 does
+        if sh is not None and sh.dim == 0:
+            e = teacher_entry(name, reader.get_shard(name, 0, sh.bounds(tp.rank, tp.world), shape))
+            return e if is_q8_entry(e) else None
+        e = teacher_entry(name, reader.get(name, shape))
+    if not is_q8_entry(e):
+        return None
+    return dict(e) if sh is None else shard_entry(e, sh, tp.rank, tp.world)
 
 
 def _q8(w: torch.Tensor, name: str) -> torch.Tensor:
@@ -169,13 +208,20 @@ def _q8(w: torch.Tensor, name: str) -> torch.Tensor:
     return torch.from_numpy(lib.dequantize(lib.quantize(m, q, name=name), q, m.shape, name=name)).reshape(w.shape)
 
 
-def _load_into(model: nn.Module, path: str, what: str) -> None:
+def _load_into(model: nn.Module, path: str, what: str, *, q8_entries: bool = False) -> dict:
     """Load a plain state dict, a make-teacher base (``voodoo-base/1``) or teacher
-    (``voodoo-teacher/1``, packed Q8_0) into `model`, checking names and shapes first."""
+    (``voodoo-teacher/1``, packed Q8_0) into `model`, checking names and shapes first. With
+    `q8_entries`, returns a teacher's packed Q8_0 entries of the selectable weights (to be held
+    packed, training/teacher_q8.py); else {}."""
     from ..checkpoints import TEACHER_FORMAT, load_teacher
+    from .teacher_q8 import is_q8_entry
 
     obj = fileio.torch_load(path, what=what)
+    entries = {}
     if isinstance(obj, dict) and obj.get("format") == TEACHER_FORMAT:
+        if q8_entries:
+            entries = {n: obj["tensors"][n] for n in selectable_weights(model)
+                       if is_q8_entry(obj["tensors"].get(n))}
         obj = load_teacher(path)[0]
     sd = obj.get("state_dict", obj) if isinstance(obj, dict) else obj
     if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
@@ -189,13 +235,24 @@ def _load_into(model: nn.Module, path: str, what: str) -> None:
         if tuple(v.shape) != tuple(own[k].shape):
             raise CorruptFileError(f"{what} {path}: {k} has shape {tuple(v.shape)}, model has {tuple(own[k].shape)}")
     model.load_state_dict({k: v.to(own[k].dtype) for k, v in sd.items()}, strict=False)
+    return entries
 
 
-def _quantize_teacher_q8(model: nn.Module) -> None:
-    """Replace every selectable weight by its llama.cpp-exact Q8_0 round trip (fallback applied)."""
+def _quantize_teacher_q8(model: nn.Module, *, keep_entries: bool = False) -> dict:
+    """Replace every selectable weight by its llama.cpp-exact Q8_0 round trip (fallback applied).
+    With `keep_entries`, the Q8_0 blocks of the weights that quantize to Q8_0 are returned
+    instead (to be held packed: the same values, training/teacher_q8.py)."""
+    from ..checkpoints import teacher_entry
+    from .teacher_q8 import is_q8_entry
+
+    entries = {}
     for name, (w, _) in selectable_weights(model).items():
+        if keep_entries and is_q8_entry(e := teacher_entry(name, w.detach())):
+            entries[name] = e
+            continue
         with torch.no_grad():
             w.copy_(_q8(w, name).to(w.dtype))
+    return entries
 
 
 def load_imatrix(cfg: TrainConfig):

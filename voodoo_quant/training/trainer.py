@@ -124,7 +124,7 @@ class Trainer:
             need_curv = build and ((self.measures and cfg.search_evals > 0) or (cfg.relaxation_gap and cfg.method == "gates"))
             with _main_first(tp):  # rank 0 computes and saves the table; the others load it
                 sens = ensure_table(cfg, sensitivity_model(cfg, base, tp), plans, vectors, self.run.tokens,
-                                    progress=self.progress, need_curvature=need_curv)
+                                    progress=self.progress, need_curvature=need_curv, device=device)
             self.run.sensitivity, self.run.curvature = sens.table, sens.curvature
         if build and cfg.method == "gates" and self.measures:
             self._plan_references(base, vectors, imx)
@@ -157,6 +157,10 @@ class Trainer:
                 base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
                 base.train()  # HF only checkpoints in training mode; the models have no dropout left active
                 _disable_dropout(base)
+                if tp is not None:  # each rank keeps 1/world of every layer's input (tp_checkpoint.py)
+                    from ..tp_checkpoint import install
+
+                    install(base, tp)
         info = {"path": cfg.imatrix, "sha256": getattr(imx, "sha256", None), "covered": len(vectors)}
         self.run.imatrix_info = info
         return self.run
@@ -287,17 +291,7 @@ class Trainer:
         for micro in range(acc_n):  # micro-batch j of step s is batch s·A + j of the seeded order
             pos = step * acc_n + micro
             ids = run.tokens[batch_indices(pos, cfg.batch_size, run.tokens.shape[0], cfg.seed)].to(run.device)
-            with routing.routed(run.student, router):  # backward inside: checkpoint recomputes route too
-                with parametrize.cached():
-                    if run.tp is not None:
-                        from ..parallel import tp_distill_terms
-
-                        ce_m, kl_m = tp_distill_terms(run.student, run.teacher, ids, run.tp,
-                                                      chunk_tokens=cfg.loss_chunk_size, teacher_device=run.teacher_device)
-                    else:
-                        ce_m, kl_m = distill_terms(run.student, run.teacher, ids, chunk_tokens=cfg.loss_chunk_size,
-                                                   teacher_device=run.teacher_device, router=router)
-                ((ce_m + cfg.distill_weight * kl_m) / acc_n).backward()
+            ce_m, kl_m = micro_backward(run, ids, router, acc_n)
             ce, kl, n_tok = ce + float(ce_m.detach()) / acc_n, kl + float(kl_m.detach()) / acc_n, n_tok + ids.numel()
         if run.tp is not None:  # the shards' contributions to each gate gradient, summed
             from ..parallel import sync_gate_grads
@@ -407,6 +401,44 @@ class Trainer:
             },
         )
         return TrainResult(asg, res, pt_path, asg_path, tt_path, history, resumed_from)
+
+
+def mixes_per_layer(run: RunSetup, router) -> bool:
+    """Whether a step mixes each gated weight when its layer runs (and again when the checkpoint
+    recomputes the layer in backward) instead of once per step in ``parametrize.cached()``.
+
+    Under ``--gradient_checkpointing`` the step-long cache would hold every layer's mixture at
+    once (the rank's whole model in the training dtype: 13.45 GB at 27B / TP-4), while the
+    checkpointed layers need only their own; without the cache a layer's mixture is an ordinary
+    intermediate, dropped by the checkpoint after the layer's forward and recomputed with it, so
+    one layer's mixed weights live at a time. The gate gradients are the same (the recompute
+    gives the same mixture; tests/test_mix_per_layer.py). A routed step keeps the cache (routing
+    swaps the layers and draws per use)."""
+    return bool(run.cfg.gradient_checkpointing and router is None
+                and hasattr(run.student, "gradient_checkpointing_enable"))  # as prepare() enables it
+
+
+def micro_backward(run: RunSetup, ids: torch.Tensor, router, acc_n: int, *, per_layer: bool | None = None):
+    """(CE, KL) of one micro-batch, with its share of the loss backpropagated into the gates.
+    `per_layer` (default: :func:`mixes_per_layer`) mixes each layer's weights when it runs instead
+    of once per step."""
+    import contextlib
+
+    cfg = run.cfg
+    if per_layer is None:
+        per_layer = mixes_per_layer(run, router)
+    with routing.routed(run.student, router):  # backward inside: checkpoint recomputes route too
+        with contextlib.nullcontext() if per_layer else parametrize.cached():
+            if run.tp is not None:
+                from ..parallel import tp_distill_terms
+
+                ce_m, kl_m = tp_distill_terms(run.student, run.teacher, ids, run.tp,
+                                              chunk_tokens=cfg.loss_chunk_size, teacher_device=run.teacher_device)
+            else:
+                ce_m, kl_m = distill_terms(run.student, run.teacher, ids, chunk_tokens=cfg.loss_chunk_size,
+                                           teacher_device=run.teacher_device, router=router)
+        ((ce_m + cfg.distill_weight * kl_m) / acc_n).backward()  # outside the cache, as it always was
+    return ce_m, kl_m
 
 
 def _stock_provider(run, base, imx):
