@@ -77,7 +77,7 @@ def register(app: typer.Typer) -> None:
         sensitivity_sequences: int = typer.Option(4, "--sensitivity_sequences", help="Calibration sequences of the sensitivity table (first N of the tokens file).", rich_help_panel=X),
         sensitivity_kind: str = typer.Option("fisher", "--sensitivity_kind", help="Sensitivity table of the knapsack, warm start and polish: fisher (predicted ΔKL from the Fisher diagonal: how the error reaches the loss) or output (each tensor's own imatrix-weighted output error).", rich_help_panel=X),
         polish: bool = typer.Option(True, "--polish/--no_polish", help="After the bake: one-rung moves ranked by sensitivity benefit per byte, inside the dead zone (default: on; helps at small sizes, hurt at Voodoo75: see WHITEPAPER §4).", rich_help_panel=X),
-        loss_chunk_size: int = typer.Option(4096, "--loss_chunk_size", help="Tokens per LM-head chunk of CE/KL (exact; 0: whole logits).", rich_help_panel=O),
+        loss_chunk_size: int = typer.Option(1024, "--loss_chunk_size", help="Tokens per LM-head chunk of CE/KL (exact; 0: whole logits).", rich_help_panel=O),
         grad_accum_steps: int = typer.Option(1, "--grad_accum_steps", help="Micro-batches of --batch_size per optimizer step.", rich_help_panel=O),
         teacher_device: Optional[str] = typer.Option(None, "--teacher_device", help="Device of the teacher (default: --device), e.g. cpu.", rich_help_panel=H),
         log_file: Optional[str] = typer.Option(None, "--log_file", help="JSONL run log, one line per step (default: <output_dir>/train_log.jsonl).", rich_help_panel=J),
