@@ -98,6 +98,9 @@ def test_ladder_card_matches_eval_json_and_resumes(tiny_llama_hf_dir, ladder_tex
     again = quantize(_cfg(tiny_llama_hf_dir, ladder_text_dir, out), progress=False)
     assert again.ran == [], again.ran
     assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
+    # An output-neutral setting (here the loss chunk: only the summation order changes) reuses every step.
+    neutral = quantize(_cfg(tiny_llama_hf_dir, ladder_text_dir, out, train_extra={"loss_chunk_size": 16}), progress=False)
+    assert neutral.ran == [], neutral.ran
 
     # A changed training setting reruns what depends on it (train, export, their evals), nothing else.
     third = quantize(_cfg(tiny_llama_hf_dir, ladder_text_dir, out, steps=3), progress=False)

@@ -31,6 +31,7 @@ from typing import Any, Callable
 from .. import fileio
 from ..errors import ConfigError
 from ..menus import MenuConfig
+from ..training.config import TrainConfig
 from .manifest import Clock, Manifests, digest
 
 log = logging.getLogger(__name__)
@@ -89,7 +90,6 @@ class QuantizeConfig:
     def __post_init__(self) -> None:
         from .. import qtypes as qt
         from ..modeling import is_gguf
-        from ..training.config import TrainConfig
         from .export import canonical_name
 
         self.output_dir = Path(self.output_dir)
@@ -149,8 +149,6 @@ class QuantizeConfig:
 
     def train_config(self, size: int, teacher_hf: Path, data_dir: Path | None = None, imatrix: Path | None = None,
                      run_dir: Path | None = None):
-        from ..training.config import TrainConfig
-
         return TrainConfig(
             model=str(teacher_hf), data_dir=str(data_dir or "data"), imatrix=str(imatrix) if imatrix else None,
             compression_ratio=size / 100.0, seq_len=self.seq_len, batch_size=self.batch_size, max_steps=self.steps,
@@ -343,7 +341,8 @@ class Ladder:
 
         run = self.work / "runs" / f"Voodoo{size}"
         tcfg = self.cfg.train_config(size, self.teacher_hf, self.data_dir, self.imatrix, run)
-        settings = {k: v for k, v in tcfg.to_dict().items() if k not in ("model", "data_dir", "imatrix", "output_dir")}
+        skip = ("model", "data_dir", "imatrix", "output_dir", *TrainConfig.OUTPUT_NEUTRAL)
+        settings = {k: v for k, v in tcfg.to_dict().items() if k not in skip}
         inputs = {"teacher": self.keys["make-teacher"], "data": self.keys["data"], "imatrix": self.keys["imatrix"],
                   "train": settings}
         shared = self.work / TABLE_NAME

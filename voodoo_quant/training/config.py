@@ -227,6 +227,10 @@ class TrainConfig:
                        "resume_from_partial", "polish", "search_evals", "search_margin", "guarantee",
                        "stock_references")
 
+    # Fields that do not change what a finished run writes (up to float summation order): a ladder's
+    # step cache (`voodoo quantize`) reuses a size's training across them.
+    OUTPUT_NEUTRAL = ("partial_save_interval", "resume", "dry_run", "no_compile", "loss_chunk_size", "log_file")
+
     def result_hash(self) -> str:
         """Hash of the settings that determine the result (journal compatibility)."""
         d = {k: v for k, v in self.to_dict().items() if k not in self._RESULT_NEUTRAL}
