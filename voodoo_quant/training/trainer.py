@@ -25,6 +25,7 @@ from ..assignment import Assignment, TensorChoice
 from ..budget import size_penalty
 from ..errors import ConfigError
 from . import journal, methods, routing
+from .references import complete_curvature, plan_references_for
 from .journal import StepMetrics, append_log as _append_log, read_log as _read_log
 from .bake import BakeResult, bake
 from .losses import distill_terms
@@ -127,9 +128,9 @@ class Trainer:
                                     progress=self.progress, need_curvature=need_curv, device=device)
             self.run.sensitivity, self.run.curvature = sens.table, sens.curvature
         if build and cfg.method == "gates" and self.measures:
-            self._plan_references(base, vectors, imx)
+            plan_references_for(self.run, base, vectors, imx, progress=self.progress)
             if cfg.search_evals > 0:
-                self._complete_curvature(base, vectors, sens)
+                complete_curvature(self.run, base, vectors, sens, save=self.is_main)
         if build and cfg.method == "gates":
             check_space(cfg, plans)
             init = methods.warm_start_logits(self.run) if cfg.warm_start else None
@@ -171,54 +172,6 @@ class Trainer:
         run = self.run
         return (self.cfg.measures and run is not None and run.tp is None and run.held_tokens is not None
                 and self.cfg.method == "gates")
-
-    def _plan_references(self, base, vectors, imx) -> None:
-        """The free references of the guarantee, with their off-menu candidates built now, while
-        the float weights are still there (the student replaces them)."""
-        from ..student import selectable_weights
-        from .guarantee import plan_references
-        from .setup import extra_candidate_blobs
-
-        run, cfg = self.run, self.cfg
-        if not cfg.guarantee:
-            return
-        knap = None
-        if run.sensitivity is not None:
-            from .knapsack import greedy_layout
-
-            knap = greedy_layout(run.plans, run.sensitivity, run.budget.upper_bytes)
-        stock = _stock_provider(run, base, imx)
-        menu_types = sorted({t for p in run.plans for t in p.menu.types})
-        refs = plan_references(run.plans, run.budget.upper_bytes, covered=set(vectors), knapsack=knap, stock=stock,
-                               stock_ftypes=cfg.stock_references, menu_types=menu_types)
-        weights = {n: w for n, (w, _) in selectable_weights(base).items()}
-        run.extra_blobs = extra_candidate_blobs(run.plans, weights, vectors, refs.extra, progress=self.progress)
-        run.references = refs
-
-    def _complete_curvature(self, base, vectors, sens) -> None:
-        """Curvature matrices over every rung the search may serve: the menu and the references'
-        off-menu types (the Fisher diagonal is recomputed only if a stored table lacked them)."""
-        from ..student import selectable_weights
-        from .fisher import curvature, fisher_diagonal
-        from .setup import candidate_blobs
-
-        run, cfg = self.run, self.cfg
-        if run.curvature is None:
-            return
-        need = [p for p in run.plans if not (set(p.menu.types) | {t for (n, t) in run.extra_blobs if n == p.name}
-                                            <= set(run.curvature[p.name]["types"]))]
-        if not need:
-            return
-        weights = {n: w for n, (w, _) in selectable_weights(base).items()}
-        fish = sens.fisher or fisher_diagonal(base, run.plans, run.tokens[: cfg.sensitivity_sequences], seed=cfg.seed)
-        menu = candidate_blobs(need, weights, vectors)
-        for p in need:
-            blobs = dict(zip(p.menu.types, menu[p.name]))
-            blobs.update({t: b for (n, t), b in run.extra_blobs.items() if n == p.name})
-            types, m = curvature(p, weights[p.name], fish[p.name], blobs)
-            run.curvature[p.name] = {"types": types, "m": m.tolist()}
-        if self.is_main:
-            sens.save(run.plans)  # the next size of a ladder finds these rungs stored
 
     # -- training loop -----------------------------------------------------------------------
     def train(self) -> TrainResult:
@@ -439,22 +392,6 @@ def micro_backward(run: RunSetup, ids: torch.Tensor, router, acc_n: int, *, per_
                                            teacher_device=run.teacher_device, router=router)
         ((ce_m + cfg.distill_weight * kl_m) / acc_n).backward()  # outside the cache, as it always was
     return ce_m, kl_m
-
-
-def _stock_provider(run, base, imx):
-    """ftype -> {tensor: type} of stock llama-quantize for this model (recipes.py), or None."""
-    try:
-        from .. import recipes
-    except ImportError:  # pragma: no cover - the recipe rules ship with the package
-        return None
-    config = getattr(base, "config", None)
-
-    def stock(ftype: str):
-        try:
-            return recipes.stock_types(run.plans, config, ftype, has_imatrix=imx is not None)
-        except recipes.RecipeError:
-            return None
-    return stock
 
 
 def _devices(cfg: TrainConfig, tp) -> list[torch.device]:

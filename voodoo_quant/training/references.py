@@ -1,0 +1,72 @@
+"""The guarantee's setup, done while the float weights are still there (the student replaces them):
+the free references that fit the budget, their off-menu candidates, and the Fisher curvature over
+every rung the search may serve. ``Trainer.prepare`` calls both once."""
+
+from __future__ import annotations
+
+
+def plan_references_for(run, base, vectors, imx, *, progress: bool = False) -> None:
+    """The free references of the guarantee (``guarantee.plan_references``) and the candidates of
+    their off-menu types, on `run`."""
+    from ..student import selectable_weights
+    from .guarantee import plan_references
+    from .setup import extra_candidate_blobs
+
+    cfg = run.cfg
+    if not cfg.guarantee:
+        return
+    knap = None
+    if run.sensitivity is not None:
+        from .knapsack import greedy_layout
+
+        knap = greedy_layout(run.plans, run.sensitivity, run.budget.upper_bytes)
+    stock = _stock_provider(run, base, imx)
+    menu_types = sorted({t for p in run.plans for t in p.menu.types})
+    refs = plan_references(run.plans, run.budget.upper_bytes, covered=set(vectors), knapsack=knap, stock=stock,
+                           stock_ftypes=cfg.stock_references, menu_types=menu_types)
+    weights = {n: w for n, (w, _) in selectable_weights(base).items()}
+    run.extra_blobs = extra_candidate_blobs(run.plans, weights, vectors, refs.extra, progress=progress)
+    run.references = refs
+
+
+def complete_curvature(run, base, vectors, sens, *, save: bool = True) -> None:
+    """Curvature matrices over every rung the search may serve: the menu and the references'
+    off-menu types (the Fisher diagonal is recomputed only if a stored table lacked them); with
+    `save`, stored with the table so the next size of a ladder finds these rungs."""
+    from ..student import selectable_weights
+    from . import fisher
+    from .setup import candidate_blobs
+
+    cfg = run.cfg
+    if run.curvature is None:
+        return
+    need = [p for p in run.plans if not (set(p.menu.types) | {t for (n, t) in run.extra_blobs if n == p.name}
+                                        <= set(run.curvature[p.name]["types"]))]
+    if not need:
+        return
+    weights = {n: w for n, (w, _) in selectable_weights(base).items()}
+    fish = sens.fisher or fisher.fisher_diagonal(base, run.plans, run.tokens[: cfg.sensitivity_sequences], seed=cfg.seed)
+    menu = candidate_blobs(need, weights, vectors)
+    for p in need:
+        blobs = dict(zip(p.menu.types, menu[p.name]))
+        blobs.update({t: b for (n, t), b in run.extra_blobs.items() if n == p.name})
+        types, m = fisher.curvature(p, weights[p.name], fish[p.name], blobs)
+        run.curvature[p.name] = {"types": types, "m": m.tolist()}
+    if save:
+        sens.save(run.plans)
+
+
+def _stock_provider(run, base, imx):
+    """ftype -> {tensor: type} of stock llama-quantize for this model (recipes.py), or None."""
+    try:
+        from .. import recipes
+    except ImportError:  # pragma: no cover - the recipe rules ship with the package
+        return None
+    config = getattr(base, "config", None)
+
+    def stock(ftype: str):
+        try:
+            return recipes.stock_types(run.plans, config, ftype, has_imatrix=imx is not None)
+        except recipes.RecipeError:
+            return None
+    return stock
