@@ -272,7 +272,7 @@ class QualityBench:
                 argv += ["--method", "sensitivity"]
                 if method == "sensitivity_output":
                     argv += ["--sensitivity_kind", "output"]
-            self._share_sensitivity_table(run, method)
+            self._share_sensitivity_table(run, method, seed)
             self._run(argv, f"train-{step}")
         f = self.method_file(method, size, seed)
         if not f.is_file():
@@ -283,20 +283,20 @@ class QualityBench:
                 raise SystemExit(f"[bench] export-{step} wrote no {f}")
         return f
 
-    def _share_sensitivity_table(self, run: Path, method: str) -> None:
-        """The table depends on the model, menus, kind and calibration tokens, not on the size:
-        reuse one computed for another size of the same kind (train checks its key and
-        recomputes on a mismatch)."""
+    def _share_sensitivity_table(self, run: Path, method: str, seed: int) -> None:
+        """The table depends on the model, menus, kind, calibration tokens and seed (the Fisher
+        draw), not on the size: reuse the newest one computed for another size of the same kind
+        and seed (train checks its key and recomputes on a mismatch)."""
         from voodoo_quant.training.sensitivity import TABLE_NAME
 
         if (run / TABLE_NAME).is_file():
             return
         kind = "output" if method == "sensitivity_output" else "fisher"
         same = [m for m in METHODS if ("output" if m == "sensitivity_output" else "fisher") == kind]
-        for m in same:
-            for other in sorted((self.cfg.out / "runs").glob(f"{m}*/seed*/{TABLE_NAME}")):
-                fileio.write_bytes(run / TABLE_NAME, other.read_bytes())
-                return
+        tables = [t for m in same for t in (self.cfg.out / "runs").glob(f"{m}*/seed{seed}/{TABLE_NAME}")]
+        if tables:
+            run.mkdir(parents=True, exist_ok=True)
+            fileio.write_bytes(run / TABLE_NAME, max(tables, key=lambda t: t.stat().st_mtime_ns).read_bytes())
 
     # -- evaluation --------------------------------------------------------------------------
     def _ppl_args(self) -> list[Any]:

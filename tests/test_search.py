@@ -322,3 +322,8 @@ def test_curvature_extended_to_reference_rungs_is_stored_for_the_next_run(gate_m
     second.train()
     assert calls == []
     assert second.run.curvature == first.run.curvature
+    # another seed draws the Fisher labels afresh: the stored table is not its table
+    (tmp_path / "c").mkdir()
+    fileio.write_bytes(tmp_path / "c" / TABLE_NAME, (tmp_path / "a" / TABLE_NAME).read_bytes())
+    Trainer(_cfg(gate_model_dir, tmp_path / "c", search_evals=2, seed=1)).prepare()
+    assert calls, "a table drawn with seed 0 was reused for seed 1"

@@ -257,7 +257,7 @@ def ensure_table(cfg, base: nn.Module, plans: Sequence, vectors, tokens: torch.T
     from ..provenance import model_weights_sha256
 
     key = table_key(plans, calib, cfg.model, weights_sha256=model_weights_sha256(base, plans), vectors=vectors or {})
-    key = f"{key}-{kind}"
+    key = f"{key}-{kind}-seed{cfg.seed}"  # the Fisher pass draws its labels from cfg.seed
     path = cfg.out_dir / TABLE_NAME
     stored = load_stored(path, key)
     names = {p.name for p in plans}
