@@ -35,6 +35,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# What the `voodoo` CLI applies to its own process (huge pages for torch's CPU tensors): the
+# in-process trainer here runs as the CLI's does. Before torch allocates anything large.
+from voodoo_quant.hardware.envdefaults import apply_env_defaults, host_env_defaults  # noqa: E402
+
+apply_env_defaults(host_env_defaults(), os.environ)
 
 import torch  # noqa: E402
 
@@ -153,7 +158,8 @@ def main() -> None:
         for k, v in row.items():
             times[k].append(v)
     print(f"model {a.model} seq_len {a.seq_len} batch {a.batch_size}, {a.repeats} repeats after 1 warm-up, "
-          f"torch threads {torch.get_num_threads()}; teacher cache hits {cache.hits if cache else 0}")
+          f"torch threads {torch.get_num_threads()}; teacher cache hits {cache.hits if cache else 0}; "
+          f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE')}")
     print(f"{'':28} {'median s':>9} {'/ plain':>8} {'/ plain student':>16}")
     for k, v in times.items():
         r1 = statistics.median(x / p for x, p in zip(v, times["plain"]))

@@ -7,7 +7,7 @@ import torch
 
 from voodoo_quant.errors import ConfigError, DeviceError
 from voodoo_quant.hardware import (
-    GPUInfo, TorchProbe, apply_env_defaults, attention_backend, detect, env_defaults, env_settings,
+    GPUInfo, TorchProbe, apply_env_defaults, attention_backend, detect, env_defaults, env_settings, host_env_defaults,
     probe_torch, resolve_device,
 )
 
@@ -103,7 +103,8 @@ def test_env_defaults_per_vendor():
     assert "TORCH_ROCM_AOTRITON_ENABLE_EXPERIMENTAL" not in env_defaults(detect(rocm_probe("gfx942")))
 
     cpu = env_defaults(detect(cpu_probe()), local_world_size=3, cpu_count=2)
-    assert cpu == {"OMP_NUM_THREADS": "1", "VOODOO_QUANT_WORKERS": "1"}
+    assert cpu == {"OMP_NUM_THREADS": "1", "VOODOO_QUANT_WORKERS": "1", "THP_MEM_ALLOC_ENABLE": "1"}
+    assert all(cuda[k] == v for k, v in host_env_defaults().items())  # every vendor's ranks get the host's
     assert all(s.reason for s in env_settings(detect(rocm_probe("gfx1201")), cpu_count=4))
     with pytest.raises(ConfigError):
         env_settings(detect(cpu_probe()), local_world_size=0)
@@ -119,6 +120,22 @@ def test_env_defaults_never_touch_os_environ_and_user_wins(monkeypatch):
     applied = apply_env_defaults(d, child)
     assert child["OMP_NUM_THREADS"] == "3" and "OMP_NUM_THREADS" not in applied
     assert child["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True" == applied["PYTORCH_CUDA_ALLOC_CONF"]
+
+
+def test_cli_applies_the_host_defaults_to_its_own_process_and_the_user_wins(monkeypatch):
+    """`voodoo` sets huge-page allocation for itself before any command runs (torch reads it once,
+    at its first large allocation); a value the user set is kept."""
+    import os
+
+    from voodoo_quant.cli import app as cli_app
+
+    monkeypatch.setattr(cli_app, "app", lambda **kw: None)
+    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
+    cli_app.main()
+    assert os.environ["THP_MEM_ALLOC_ENABLE"] == "1"
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")
+    cli_app.main()
+    assert os.environ["THP_MEM_ALLOC_ENABLE"] == "0"
 
 
 def test_resolve_device():

@@ -45,6 +45,11 @@ for _name in COMMAND_MODULES:
 
 
 def main() -> None:
+    import os
+
+    from ..hardware.envdefaults import apply_env_defaults, host_env_defaults
+
+    apply_env_defaults(host_env_defaults(), os.environ)  # before the first large tensor (the user's values win)
     app(prog_name="voodoo")
 
 

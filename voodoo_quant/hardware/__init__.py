@@ -10,11 +10,11 @@
 from .attention import AttentionChoice, attention_backend
 from .detect import CPU, CUDA, ROCM, Accelerator, detect
 from .device import available_devices, resolve_device
-from .envdefaults import EnvSetting, apply_env_defaults, env_defaults, env_settings
+from .envdefaults import EnvSetting, apply_env_defaults, env_defaults, env_settings, host_env_defaults, host_env_settings
 from .probe import GPUInfo, TorchProbe, probe_torch
 
 __all__ = [
     "CPU", "CUDA", "ROCM", "Accelerator", "AttentionChoice", "EnvSetting", "GPUInfo", "TorchProbe",
     "apply_env_defaults", "attention_backend", "available_devices", "detect", "env_defaults",
-    "env_settings", "probe_torch", "resolve_device",
+    "env_settings", "host_env_defaults", "host_env_settings", "probe_torch", "resolve_device",
 ]
