@@ -36,12 +36,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # What the `voodoo` CLI applies to its own process (huge pages for torch's CPU tensors): the
 # in-process trainer here runs as the CLI's does. Before torch allocates anything large.
 from voodoo_quant.hardware.envdefaults import apply_env_defaults, host_env_defaults  # noqa: E402
 
 apply_env_defaults(host_env_defaults(), os.environ)
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 MENU = ("Q8_0", "Q6_K", "Q5_K", "Q5_0", "Q4_K", "IQ4_XS", "IQ4_NL", "Q3_K", "IQ3_S", "IQ2_S")
 

@@ -149,10 +149,12 @@ def tensor_sensitivities(plan, weight: torch.Tensor, blobs: Sequence[bytes], sta
 
 
 def table_key(plans: Sequence, tokens: torch.Tensor, model: str, *, weights_sha256: str,
-              vectors: Mapping) -> str:
+              vectors: Mapping, seed: int) -> str:
     """What a table depends on: model, every tensor's menu and bytes, the calibration tokens, the
-    float weights (``provenance`` hash: another --base_checkpoint changes every s) and the
-    imatrix vector each tensor's candidates are quantized with (another imatrix changes them)."""
+    float weights (``provenance`` hash: another --base_checkpoint changes every s), the
+    imatrix vector each tensor's candidates are quantized with (another imatrix changes them) and
+    the seed (the Fisher pass draws its labels from it; an output-error table without curvature
+    does not use it, and is recomputed for another seed all the same)."""
     from ..imatrix import vector_hash
 
     h = hashlib.sha256()
@@ -161,6 +163,7 @@ def table_key(plans: Sequence, tokens: torch.Tensor, model: str, *, weights_sha2
     h.update(tokens.to(torch.int64).contiguous().numpy().tobytes())
     h.update(weights_sha256.encode())
     h.update(json.dumps(sorted((str(k), vector_hash(v)) for k, v in vectors.items())).encode())
+    h.update(f"seed {seed}".encode())
     return h.hexdigest()[:16]
 
 
@@ -256,8 +259,9 @@ def ensure_table(cfg, base: nn.Module, plans: Sequence, vectors, tokens: torch.T
     calib = tokens[: cfg.sensitivity_sequences]
     from ..provenance import model_weights_sha256
 
-    key = table_key(plans, calib, cfg.model, weights_sha256=model_weights_sha256(base, plans), vectors=vectors or {})
-    key = f"{key}-{kind}-seed{cfg.seed}"  # the Fisher pass draws its labels from cfg.seed
+    key = table_key(plans, calib, cfg.model, weights_sha256=model_weights_sha256(base, plans), vectors=vectors or {},
+                    seed=cfg.seed)
+    key = f"{key}-{kind}"
     path = cfg.out_dir / TABLE_NAME
     stored = load_stored(path, key)
     names = {p.name for p in plans}
