@@ -327,7 +327,7 @@ class QualityBench:
         return base, info
 
     def eval_file(self, f: Path, base: Path, base_info: dict[str, Any]) -> dict[str, Any]:
-        from voodoo_quant.tools.evaluate import parse_kld_report
+        from voodoo_quant.tools.evaluate import chunk_klds, parse_kld_report
         from voodoo_quant.tools.llama_tools import gguf_tensor_stats
 
         cache = self.cfg.out / "eval" / f"rows-{base_info['tag']}" / f"{f.name}.json"
@@ -339,9 +339,8 @@ class QualityBench:
         text = self._run([self._tool("llama-perplexity"), "-m", f, "--kl-divergence-base", base, "--kl-divergence",
                           *self._ppl_args()], f"eval-{f.stem}")
         data_bytes, n_weights = gguf_tensor_stats(f)
-        chunks = report.chunk_klds(text)
         row = {"name": f.name, "file": str(f), "size_bytes": f.stat().st_size, "bpw": 8.0 * data_bytes / n_weights,
-               **parse_kld_report(text), "kld_chunks": chunks, "kld_stderr": report.stderr(chunks), "file_key": key}
+               **parse_kld_report(text), "kld_chunks": chunk_klds(text), "file_key": key}  # with kld_stderr
         fileio.write_json(cache, row)
         return row
 

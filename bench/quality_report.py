@@ -5,7 +5,8 @@ run here), so they are unit-tested on made-up rows (tests/test_bench_quality.py)
 A row is a dict with at least ``name``, ``method`` ("stock", "uniform", "voodoo", "sensitivity",
 "sensitivity_output"), ``size_bytes`` and ``kld_mean``; the trained methods also carry
 ``size_percent`` and ``seed``, and every row may carry ``kld_chunks`` (per-chunk mean KLD, from
-llama-perplexity's running means) and ``kld_stderr`` (their standard error).
+llama-perplexity's running means) and ``kld_stderr`` (their standard error); both come from
+``voodoo_quant.tools.evaluate`` (``chunk_klds``, ``parse_kld_report``).
 
 Comparisons (issue 15): every Voodoo size is the mean over its seeds (spread shown); its excess
 KLD over the Q8_0 floor is divided by the excess of a reference *curve* at the same file size,
@@ -18,7 +19,6 @@ not fall below the next smaller size's.
 from __future__ import annotations
 
 import math
-import re
 import statistics
 from pathlib import Path
 from typing import Any, Sequence
@@ -27,30 +27,6 @@ TARGET_VS_STOCK = 0.5
 TARGET_VS_SENSITIVITY = 0.75
 TARGET_VS_UNIFORM = 1.0
 TRAINED = ("voodoo", "sensitivity", "sensitivity_output")
-
-_CHUNK = re.compile(r"^\s*(\d+)\s+[-\d.]+\s*±\s*[-\d.]+\s+[-\d.]+\s*±\s*[-\d.]+\s+([-\d.]+)\s*±", re.MULTILINE)
-
-
-def chunk_klds(text: str) -> list[float]:
-    """Per-chunk mean KLD from llama-perplexity's running table (chunk i prints the mean over
-    chunks 1..i): x_i = i·m_i − (i−1)·m_(i−1). The table prints 5 decimals, so x_i carries a
-    rounding error below 1e-5 · i (4e-4 at chunk 40; its effect on a standard error over 40
-    chunks is ~4e-5)."""
-    means: dict[int, float] = {}
-    for m in _CHUNK.finditer(text):
-        means[int(m.group(1))] = float(m.group(2))
-    out, prev = [], 0.0
-    for i in range(1, len(means) + 1):
-        if i not in means:
-            break
-        out.append(i * means[i] - (i - 1) * prev)
-        prev = means[i]
-    return out
-
-
-def stderr(values: Sequence[float]) -> float | None:
-    return statistics.stdev(values) / math.sqrt(len(values)) if len(values) >= 2 else None
-
 
 def pareto(rows: Sequence[dict]) -> list[dict]:
     """The Pareto-optimal rows by (file size, mean KLD), ascending in size: a file stays when no

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from voodoo_quant.tools.evaluate import stderr
+
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
@@ -84,18 +86,6 @@ def test_targets_flag_a_size_that_does_not_improve_and_a_point_above_the_frontie
     assert b["falls"] is False and "NOT below Voodoo60" in b["note"] and not t["monotone"]
 
 
-def test_chunk_klds_undo_the_running_means(rep):
-    text = "\n".join([
-        "chunk             PPL               ln(PPL(Q)/PPL(base))          KL Divergence              Δp RMS            Same top p",
-        "   1      27.1000 ±    1.2000       0.01000 ±    0.00100       0.02000 ±    0.00100     3.000 ±  0.100 %    91.000 ±  1.000 %",
-        "   2      27.3000 ±    1.1000       0.01200 ±    0.00100       0.03000 ±    0.00100     3.100 ±  0.100 %    90.000 ±  1.000 %",
-        "   3      27.2000 ±    1.0000       0.01100 ±    0.00100       0.02000 ±    0.00100     3.000 ±  0.100 %    91.000 ±  1.000 %",
-    ])
-    xs = rep.chunk_klds(text)
-    assert xs == pytest.approx([0.02, 0.04, 0.0])
-    assert rep.stderr(xs) == pytest.approx(0.02 / math.sqrt(3))
-
-
 def test_targets_need_the_floor(rep):
     with pytest.raises(ValueError, match="floor"):
         rep.targets(STOCK[:2], "s-Q8")
@@ -150,5 +140,5 @@ def test_paired_difference_cancels_the_texts_spread(rep):
     mean = {"size_percent": 60, "names": ["v0", "v1"]}
     d, se = rep.paired_difference(rows, mean, "sensitivity")
     assert d == pytest.approx(-0.01075, abs=1e-12)  # (−0.010 + −0.0115) / 2
-    assert se < 0.001 < rep.stderr(base)
+    assert se < 0.001 < stderr(base)
     assert rep.paired_difference(rows, {"size_percent": 70, "names": ["v0"]}, "sensitivity") is None

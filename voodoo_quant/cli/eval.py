@@ -19,12 +19,13 @@ def _fmt(v, spec: str) -> str:
 
 def rows_table(rows: list[dict], title: str) -> Table:
     t = Table(title=title)
-    for col in ("model", "size MB", "bpw", "PPL", "KLD mean", "median", "p99", "p99.9", "same top %"):
+    for col in ("model", "size MB", "bpw", "PPL", "KLD mean", "± s.e.", "median", "p99", "p99.9", "same top %"):
         t.add_column(col, justify="left" if col == "model" else "right")
     for r in rows:
         size = None if r.get("size_bytes") is None else r["size_bytes"] / 1e6
         t.add_row(r["name"], _fmt(size, ".2f"), _fmt(r.get("bpw"), ".3f"), _fmt(r["ppl"], ".4f"),
-                  _fmt(r.get("kld_mean"), ".6f"), _fmt(r.get("kld_median"), ".6f"), _fmt(r.get("kld_p99"), ".6f"),
+                  _fmt(r.get("kld_mean"), ".6f"), _fmt(r.get("kld_stderr"), ".6f"), _fmt(r.get("kld_median"), ".6f"),
+                  _fmt(r.get("kld_p99"), ".6f"),
                   _fmt(r.get("kld_p999"), ".6f"), _fmt(r.get("same_top_p"), ".3f"))
     return t
 

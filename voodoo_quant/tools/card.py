@@ -23,10 +23,15 @@ def _mb(n: int | None) -> str:
     return "" if n is None else f"{n / 1e6:.2f}"
 
 
+ROW_HEAD = ["file", "MB", "bpw", "PPL", "KLD mean", "± s.e.", "KLD p99"]
+
+
 def fmt_row(r: dict[str, Any]) -> list[str]:
-    """file, MB, bpw, PPL, mean KLD, p99 KLD: the card's number formats (tests parse them back)."""
+    """`ROW_HEAD`'s cells: the card's number formats (tests parse them back). The standard error
+    of the mean KLD over the eval chunks is "—" where the chunks cannot resolve it."""
+    se = r.get("kld_stderr")
     return [r["name"], _mb(r["size_bytes"]), f"{r['bpw']:.3f}", f"{r['ppl']:.4f}", f"{r['kld_mean']:.6f}",
-            f"{r['kld_p99']:.6f}"]
+            "—" if se is None else f"{se:.6f}", f"{r['kld_p99']:.6f}"]
 
 
 def nearest_stock(row: dict[str, Any], stock: list[dict[str, Any]]) -> tuple[dict | None, dict | None]:
@@ -85,14 +90,16 @@ def render(ladder, files: dict[int, Path], result: dict[str, Any] | None) -> str
                   f"{result['reference']['ppl']:.4f}) on held-out text ({meta['eval']['sequences']} × "
                   f"{meta['seq_len']} tokens, `-c {result['ctx']}`"
                   + (f", {result['chunks']} chunks" if result["chunks"] else "") + "). Stock recipes are "
-                  "`llama-quantize --imatrix` files made from the same reference and imatrix.", ""]
-        head = ["file", "MB", "bpw", "PPL", "KLD mean", "KLD p99", "nearest stock below", "nearest stock above"]
+                  "`llama-quantize --imatrix` files made from the same reference and imatrix. ± s.e. is the "
+                  "standard error of the mean KLD over the text's chunks: a difference between two files "
+                  "smaller than about twice it is noise.", ""]
+        head = ROW_HEAD + ["nearest stock below", "nearest stock above"]
         body = []
         for r in ours:
             lo, hi = nearest_stock(r, stock)
             body.append(fmt_row(r) + [_stock_cell(lo), _stock_cell(hi)])
         lines += _table(head, body) + ["", "Stock recipes (same reference, same imatrix):", ""]
-        lines += _table(["file", "MB", "bpw", "PPL", "KLD mean", "KLD p99"], [fmt_row(r) for r in stock])
+        lines += _table(ROW_HEAD, [fmt_row(r) for r in stock])
         lines += ["", "![mean KLD against file size](pareto.png)", ""]
     else:
         lines += ["## Files", "", "| file | MB |", "|---|---:|"]
