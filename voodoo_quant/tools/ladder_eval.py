@@ -60,7 +60,9 @@ def evaluate_ladder(ladder, files: list[tuple[Path, str, int | None]]) -> dict[s
                           **parse_kld_report(run.output))
             fileio.write_json(row_path, asdict(row))
 
-        ladder.step(step, {"base": base_key, "file": ladder.keys[src_step]}, lambda row_path=row_path: [row_path], measure)
+        # "v": the row's fields (2: with kld_stderr); a row of an older version is measured again.
+        ladder.step(step, {"base": base_key, "file": ladder.keys[src_step], "v": 2}, lambda row_path=row_path: [row_path],
+                    measure)
         row = fileio.read_json(row_path, what="eval row")
         rows.append({**row, "file": str(f), "method": method, "size_percent": size})
     result = {
