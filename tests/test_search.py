@@ -327,3 +327,29 @@ def test_curvature_extended_to_reference_rungs_is_stored_for_the_next_run(gate_m
     fileio.write_bytes(tmp_path / "c" / TABLE_NAME, (tmp_path / "a" / TABLE_NAME).read_bytes())
     Trainer(_cfg(gate_model_dir, tmp_path / "c", search_evals=2, seed=1)).prepare()
     assert calls, "a table drawn with seed 0 was reused for seed 1"
+
+
+def test_search_alone_computes_the_table_its_curvature_needs(gate_model_dir, tmp_path):
+    """The search without the guarantee, warm start or polish still reads the sensitivity table
+    (its moves are ranked with the table's curvature): it is computed for it. This combination of
+    flags once stopped with an UnboundLocalError after loading."""
+    cfg = _cfg(gate_model_dir, tmp_path / "run", search_evals=3, guarantee=False, warm_start=False, polish=False)
+    assert cfg.needs_sensitivity and cfg.measures
+    res = Trainer(cfg).train()
+    g = res.assignment.meta["guarantee"]
+    assert [c["name"] for c in g["candidates"]] == ["gates"]  # no references without the guarantee
+    assert 0 < g["search"]["evals"] <= 3
+    assert (tmp_path / "run" / "sensitivity.pt").is_file()
+
+
+def test_tensor_parallel_runs_skip_the_table_of_measurements_they_do_not_make():
+    """Under --tensor_parallel the guarantee and the search do not run (the bake is written), so
+    with --no_warm_start --no_polish no rank loads the whole float model for a sensitivity pass."""
+    k = dict(model="m", data_dir="d", compression_ratio=0.6, warm_start=False, polish=False)
+    one = TrainConfig(**k)
+    assert one.measures and one.needs_sensitivity
+    tp = TrainConfig(tensor_parallel=2, **k)
+    assert not tp.measures and not tp.needs_sensitivity
+    assert TrainConfig(tensor_parallel=2, **{**k, "warm_start": True}).needs_sensitivity  # the warm start reads it
+    assert TrainConfig(tensor_parallel=2, relaxation_gap=True, **k).needs_sensitivity
+    assert not TrainConfig(guarantee=False, search_evals=0, **k).needs_sensitivity

@@ -265,7 +265,8 @@ def plan_memory(cfg, model: nn.Module, plans: Sequence, *, adapter=None, tp_plan
         mp.host.append(Term("teacher weights (--teacher_device)", t_bytes))
     if cfg.needs_sensitivity:
         mp.host.append(Term("sensitivity pass", 0.0, "not modelled here (training/sensitivity.py); --no_warm_start "
-                                                     "--no_polish --no_guarantee skip it"))
+                                                     "--no_polish skip it (one process: with --no_guarantee "
+                                                     "--search_evals 0)"))
     if world == 1 and cfg.measures and cfg.method == "gates":
         mp.host.append(Term("post-bake measurements", 0.0, "not modelled (guarantee, search: objective.py); "
                                                             "--no_guarantee --search_evals 0 skip them"))

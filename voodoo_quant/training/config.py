@@ -176,13 +176,18 @@ class TrainConfig:
 
     @property
     def needs_sensitivity(self) -> bool:
+        """Whether a sensitivity table is read: the warm start, polish, the one-shot method, the
+        relaxation gap, or the post-bake measurements (the guarantee's knapsack reference and the
+        search's curvature); under --tensor_parallel those do not run, so they need no table."""
         return (self.warm_start or self.polish or self.method == "sensitivity"
-                or (self.method == "gates" and (self.guarantee or self.relaxation_gap)))
+                or (self.method == "gates" and (self.relaxation_gap or self.measures)))
 
     @property
     def measures(self) -> bool:
-        """Whether the bake is followed by measurements on held-aside sequences (guarantee, search)."""
-        return self.method == "gates" and (self.guarantee or self.search_evals > 0) and self.search_sequences > 0
+        """Whether the bake is followed by measurements on held-aside sequences (guarantee, search):
+        single-process runs only (a tensor-parallel run writes the bake)."""
+        return (self.method == "gates" and (self.guarantee or self.search_evals > 0) and self.search_sequences > 0
+                and self.tensor_parallel == 1)
 
     @property
     def log_path(self) -> Path:
