@@ -264,10 +264,10 @@ def plan_memory(cfg, model: nn.Module, plans: Sequence, *, adapter=None, tp_plan
     if on_host_teacher:
         mp.host.append(Term("teacher weights (--teacher_device)", t_bytes))
     if cfg.needs_sensitivity:
-        mp.host.append(Term("sensitivity pass", 0.0, "not modelled here (training/sensitivity.py); --no_warm_start "
-                                                     "--no_polish skip it (one process: with --no_guarantee "
-                                                     "--search_evals 0)"))
-    if world == 1 and cfg.measures and cfg.method == "gates":
+        mp.host.append(Term("sensitivity pass", 0.0, "not modelled here (training/sensitivity.py); skipped with "
+                                                     "--no_warm_start --no_polish (in one process also "
+                                                     "--no_guarantee --search_evals 0)"))
+    if world == 1 and cfg.measures:
         mp.host.append(Term("post-bake measurements", 0.0, "not modelled (guarantee, search: objective.py); "
                                                             "--no_guarantee --search_evals 0 skip them"))
     mp.advice = _advice(cfg, mp, capacity, replan)

@@ -170,8 +170,7 @@ class Trainer:
     def measures(self) -> bool:
         """Whether the bake is followed by the guarantee / search (single process, held-aside split)."""
         run = self.run
-        return (self.cfg.measures and run is not None and run.tp is None and run.held_tokens is not None
-                and self.cfg.method == "gates")
+        return self.cfg.measures and run is not None and run.tp is None and run.held_tokens is not None
 
     # -- training loop -----------------------------------------------------------------------
     def train(self) -> TrainResult:
