@@ -8,7 +8,13 @@ took before (load the float32 model, deep-copy the teacher, split both), forced 
 ``prepare()`` (loading, candidates, split) and after the step (on CPU the training state lives in
 the same RAM). Printed per rank, with the sharded / whole ratio.
 
+With ``--sensitivity`` both runs load sharded and keep the warm start and polish on (the
+defaults, so rank 0 computes the Fisher sensitivity table): once streaming it one decoder layer at
+a time (training/layerwise.py, the default) and once on the float32 model loaded whole on rank 0,
+the path before it, forced by replacing ``trainer.sensitivity_model``.
+
     python bench/tp_memory.py [--hidden 2048] [--layers 8] [--vocab 32768] [--out bench/results/tp_memory.json]
+    python bench/tp_memory.py --sensitivity --out bench/results/tp_memory_sensitivity.json
 """
 
 from __future__ import annotations
@@ -48,9 +54,20 @@ def rank_main(d: Path, out: Path, mode: str, seq: int, dtype: str) -> None:
     torch.set_num_threads(1)
     if mode == "whole":
         setup.can_load_sharded = lambda cfg: False  # the whole-model path every rank took before
+    if mode == "loaded":  # the sensitivity pass on the float32 model loaded whole on rank 0 (before layerwise.py)
+        from voodoo_quant.training import trainer
+
+        def loaded(cfg, base, tp=None):
+            if tp is not None and not tp.is_main:
+                return base
+            from voodoo_quant.modeling import load_model
+
+            return load_model(cfg.model, dtype=torch.float32)
+        trainer.sensitivity_model = loaded
+    warm = mode in ("layerwise", "loaded")
     cfg = TrainConfig(model=str(d / "model"), data_dir=str(d / "data"), seq_len=seq, batch_size=1, max_steps=1,
                       compression_ratio=0.6, candidate_types=MENU, output_dir=str(out / mode), tensor_parallel=2,
-                      lazy=True, warm_start=False, polish=False, dtype=dtype, loss_chunk_size=64)
+                      lazy=True, warm_start=warm, polish=warm, dtype=dtype, loss_chunk_size=64)
     tr = Trainer(cfg)
     tr.prepare()
     after_prepare = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -84,7 +101,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--sensitivity", action="store_true", help="warm start on: the streamed sensitivity pass vs the loaded one")
     a = ap.parse_args()
+    modes = ("layerwise", "loaded") if a.sensitivity else ("sharded", "whole")
     with tempfile.TemporaryDirectory(prefix="voodoo-tpmem-") as tmp:
         work = a.workdir or Path(tmp)
         d = work / "model-dir"
@@ -92,14 +111,14 @@ def main() -> None:
         res = {"hidden": a.hidden, "layers": a.layers, "vocab": a.vocab, "params": n, "dtype": a.dtype}
         out = work / "runs"
         out.mkdir(parents=True, exist_ok=True)
-        for mode in ("sharded", "whole"):
+        for mode in modes:
             res[mode] = run(d, out, mode, a.seq_len, a.dtype)
         print(f"Qwen3.5-shaped, hidden {a.hidden}, {a.layers} layers, vocab {a.vocab}"
               + (f", {n / 1e9:.2f}e9 parameters" if n else "") + f", 2 gloo ranks, --lazy, {a.dtype}")
         for phase in ("prepare", "step"):
             for r in range(2):
-                s, w = res["sharded"][r][phase], res["whole"][r][phase]
-                print(f"  rank {r} peak RSS after {phase:7}: sharded {s / 1e9:6.2f} GB  whole {w / 1e9:6.2f} GB  "
+                s, w = res[modes[0]][r][phase], res[modes[1]][r][phase]
+                print(f"  rank {r} peak RSS after {phase:7}: {modes[0]} {s / 1e9:6.2f} GB  {modes[1]} {w / 1e9:6.2f} GB  "
                       f"ratio {s / w:.2f}")
         if a.out:
             a.out.parent.mkdir(parents=True, exist_ok=True)

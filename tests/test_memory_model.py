@@ -76,6 +76,31 @@ def test_terms_follow_the_flags(gate_model_dir, tmp_path):
     assert _term(tp2c, "activations") < _term(ckpt, "activations")
 
 
+def _sens(mem):
+    return [t for t in mem.host if t.name.startswith("sensitivity pass")]
+
+
+def test_the_sensitivity_pass_is_planned_where_it_runs(gate_model_dir, tmp_path):
+    """One process: the Fisher pass adds a float32 accumulator per weight at the loading peak (the
+    output-error kind, its Gram matrices). Tensor-parallel rank 0 streams it layer by layer before
+    loading: its own phase, its stored layer inputs in the note. Skipped when nothing reads it."""
+    base = ["--model", str(gate_model_dir / "model"), "--data_dir", str(tmp_path), "--candidate_types", "Q8_0", "Q4_0",
+            "--compression_ratio", "0.6", "--seq_len", "64"]
+    one = _mem(base)
+    (fisher,) = _sens(one)
+    assert fisher.name == "sensitivity pass: Fisher accumulators (float32)"
+    assert fisher.bytes >= _term(one, "mixed weights")  # every weight in float32 (the mixtures: the selectable ones)
+    (gram,) = _sens(_mem(base + ["--sensitivity_kind", "output"]))
+    from voodoo_quant.training.sensitivity import GRAM_BYTES
+
+    assert gram.name == "sensitivity pass: input Gram matrices" and 0 < gram.bytes <= GRAM_BYTES
+    assert gram.bytes != fisher.bytes
+    (tp,) = _sens(dry_run(parse_train_flags(base + ["--tensor_parallel", "2"]), world=2).memory)
+    assert tp.bytes == 0 and "layer by layer" in tp.note
+    assert _sens(dry_run(parse_train_flags(base + ["--tensor_parallel", "2", "--no_warm_start", "--no_polish"]),
+                         world=2).memory) == []
+
+
 def test_reference_recipe_plans_from_a_config_alone():
     """27B hybrid, TP-4, seq 8192, --lazy, Q8_0 teacher: no weights, checkpoints, tokens or GPU here."""
     p = _cli("tp", "--nproc", "4", "--", *RECIPE, "--output_dir", "/nonexistent/out", "--dry_run",
@@ -87,6 +112,8 @@ def test_reference_recipe_plans_from_a_config_alone():
     assert "teacher weights" in out and "loss chunk" in out and "activations (--gradient_checkpointing)" in out
     assert "mixed weights (one layer at a time)" in out and "teacher weights (packed Q8_0, --lazy)" in out
     assert "split over 4 ranks" in out
+    # the warm start's Fisher pass streams on rank 0: 65 layer inputs x 4 x 8192 tokens x 5120 float32
+    assert "sensitivity pass (rank 0, its own phase)" in out and "43.62 GB of stored layer inputs" in out
     verdict = [ln for ln in out.splitlines() if "GB of 32 GB per device" in ln]
     assert len(verdict) == 1
     assert "DOES NOT FIT" not in verdict[0], out[-1500:]  # the recipe fits as written (default 1024-token loss chunks)

@@ -214,3 +214,32 @@ def test_voodoo_tp_refuses_bad_launches_in_one_line(tp_models, args, msg):
     lines = [ln for ln in (p.stdout + p.stderr).splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:") and msg in lines[0], lines
     assert "Traceback" not in p.stderr
+
+
+def test_process_group_waits_as_long_as_rank_zero_works(monkeypatch):
+    """Rank 0 alone fills the candidate cache and computes the sensitivity table while the other
+    ranks wait at a barrier; torch's default timeouts (NCCL: 10 minutes) would kill a large model's
+    run there. The group is created with VOODOO_TP_TIMEOUT_MIN (default 240)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from voodoo_quant.errors import EnvironmentVarError
+    from voodoo_quant.parallel import TPContext
+
+    seen = {}
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: seen.update(backend=backend, **kw))
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda: 1)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("VOODOO_TP_TIMEOUT_MIN", raising=False)
+    assert TPContext.current(2, "gloo").rank == 1
+    assert seen == {"backend": "gloo", "timeout": datetime.timedelta(minutes=240)}
+    monkeypatch.setenv("VOODOO_TP_TIMEOUT_MIN", "90")
+    TPContext.current(2, "gloo")
+    assert seen["timeout"] == datetime.timedelta(minutes=90)
+    monkeypatch.setenv("VOODOO_TP_TIMEOUT_MIN", "0")
+    with pytest.raises(EnvironmentVarError, match="VOODOO_TP_TIMEOUT_MIN"):
+        TPContext.current(2, "gloo")

@@ -29,6 +29,9 @@ VARIABLES: tuple[EnvVar, ...] = (
     EnvVar("VOODOO_FINALIZE_WORKERS", "workers for bake/export quantization; default: VOODOO_QUANT_WORKERS"),
     EnvVar("VOODOO_DEVICE_MEMORY_GB", "memory of one device for the --dry_run fit check; default: the GPU's, "
            "else 32 (the reference recipe's cards) for --device cuda"),
+    EnvVar("VOODOO_TP_TIMEOUT_MIN", "minutes a tensor-parallel rank waits in a collective before it gives up "
+           "(rank 0 alone fills the candidate cache and computes the sensitivity table while the others wait "
+           "at a barrier; torch's own default is 10 for NCCL, 30 for gloo)", "240"),
     EnvVar("VOODOO_TINY_RECIPE", "1 shrinks every run (steps, sequences) for fast tests", "0"),
     EnvVar("VOODOO_FAULT_AT", "tests only: SIGKILL the process at a named point, e.g. step:3, bake, "
            "write:partial.pt:2, export:tensor:5 (the n-th hit, default 1); never set it otherwise"),
@@ -97,6 +100,10 @@ def device_memory_gb(env: Mapping[str, str] | None = None) -> float | None:
     if v <= 0:
         raise EnvironmentVarError(f"VOODOO_DEVICE_MEMORY_GB={raw!r} must be a positive number of GB")
     return v
+
+
+def tp_timeout_min(env: Mapping[str, str] | None = None) -> int:
+    return _positive_int("VOODOO_TP_TIMEOUT_MIN", env, lambda: 240)
 
 
 def tiny_recipe(env: Mapping[str, str] | None = None) -> bool:

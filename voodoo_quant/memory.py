@@ -264,14 +264,40 @@ def plan_memory(cfg, model: nn.Module, plans: Sequence, *, adapter=None, tp_plan
     if on_host_teacher:
         mp.host.append(Term("teacher weights (--teacher_device)", t_bytes))
     if cfg.needs_sensitivity:
-        mp.host.append(Term("sensitivity pass", 0.0, "not modelled here (training/sensitivity.py); skipped with "
-                                                     "--no_warm_start --no_polish (in one process also "
-                                                     "--no_guarantee --search_evals 0)"))
+        mp.host.append(_sensitivity_term(cfg, model, plans, full, world, hidden, n_layers))
     if world == 1 and cfg.measures:
         mp.host.append(Term("post-bake measurements", 0.0, "not modelled (guarantee, search: objective.py); "
                                                             "--no_guarantee --search_evals 0 skip them"))
     mp.advice = _advice(cfg, mp, capacity, replan)
     return mp
+
+
+def _sensitivity_term(cfg, model: nn.Module, plans: Sequence, full: int, world: int, hidden: int,
+                      n_layers: int) -> Term:
+    """The sensitivity pass (training/sensitivity.py). In one process it runs on the loaded float32
+    model, at the loading peak, and adds its statistics: the Fisher kind a float32 accumulator per
+    weight, the output kind Gram matrices (at most ``GRAM_BYTES`` at once). Under tensor
+    parallelism rank 0 streams the Fisher pass one decoder layer at a time (training/layerwise.py)
+    before anything is loaded: its own phase, stated in the note and not added to the peak."""
+    from .training.layerwise import host_bytes
+    from .training.sensitivity import GRAM_BYTES, gram_bytes
+
+    skip = "skipped with --no_warm_start --no_polish" + ("" if world > 1 else " --no_guarantee --search_evals 0")
+    seqs = cfg.sensitivity_sequences
+    if cfg.sensitivity_kind == "fisher" and world > 1:
+        stored = host_bytes(n_layers, seqs, cfg.seq_len, hidden)
+        return Term("sensitivity pass (rank 0, its own phase)", 0.0,
+                    f"layer by layer before loading: {stored / GB:.2f} GB of stored layer inputs "
+                    f"({seqs} x {cfg.seq_len} tokens) + one float32 layer; {skip}")
+    modules = dict(model.named_modules())
+    gram = min(GRAM_BYTES, sum(gram_bytes(p, modules) for p in plans))
+    stats = full * 4 if cfg.sensitivity_kind == "fisher" else gram
+    what = "Fisher accumulators (float32)" if cfg.sensitivity_kind == "fisher" else "input Gram matrices"
+    if world > 1:  # the output kind: rank 0 loads the float32 model whole for it
+        return Term("sensitivity pass (rank 0, its own phase)", 0.0,
+                    f"the whole float32 model {full * 4 / GB:.2f} GB + {what} {stats / GB:.2f} GB; "
+                    f"--sensitivity_kind fisher streams it; {skip}")
+    return Term(f"sensitivity pass: {what}", stats, skip)
 
 
 def loss_chunk_bytes(tokens: int, vocab: int, db: int) -> float:

@@ -31,6 +31,7 @@ quantity that depends on another rank's shard reaches the loss through a ``reduc
 
 from __future__ import annotations
 
+import datetime
 import math
 import os
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ import torch.nn.functional as F
 from torch.nn.utils import parametrize
 from torch.utils.checkpoint import checkpoint
 
+from . import envs
 from . import qtypes as qt
 from .errors import ConfigError
 
@@ -167,7 +169,9 @@ class TPContext:
                                   f"`voodoo tp --nproc {expect_world} -- <train flags>`")
             if backend == "nccl":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            dist.init_process_group(backend)
+            # rank 0 alone fills the candidate cache and computes the sensitivity table while the
+            # others wait at a barrier: longer than torch's default timeouts on a large model
+            dist.init_process_group(backend, timeout=datetime.timedelta(minutes=envs.tp_timeout_min()))
         world = dist.get_world_size()
         if world != expect_world:
             raise ConfigError(f"--tensor_parallel {expect_world} but the process group has {world} processes")

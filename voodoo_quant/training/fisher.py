@@ -24,7 +24,8 @@ is the curvature the final search adds to the gates' gradient to predict a move'
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+import contextlib
+from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -34,60 +35,94 @@ import torch.nn.functional as F
 from .. import ggml
 
 
-def fisher_diagonal(model: nn.Module, plans: Sequence, tokens: torch.Tensor, *, seed: int = 0) -> dict[str, torch.Tensor]:
-    """tensor -> diag of the per-token Fisher (mean over the predicted positions of `tokens`)."""
-    modules = dict(model.named_modules())
-    use: dict[str, str] = {}  # module name -> tensor name
-    for p in plans:
-        for m in p.modules:
-            use[m] = p.name
-    weights = {p.name: modules[p.modules[0]].weight for p in plans}
-    fisher = {n: torch.zeros(w.shape, dtype=torch.float32, device=w.device) for n, w in weights.items()}
-    saved: dict[str, torch.Tensor] = {}
-    handles = []
-    emb = model.get_input_embeddings()
-    emb_name = next((m for m, mod in modules.items() if mod is emb), None)
+class FisherHooks:
+    """The Fisher diagonal's accumulation, shared by the whole-model pass (below) and the
+    layer-at-a-time one (``layerwise.py``), so both add the same products in the same order.
 
-    def fwd(mname):
+    `use` maps module name -> tensor name (a tied embedding / LM head: two modules, one tensor);
+    :meth:`linears` hooks the Linear ones among `names` (forward: keep the input; backward:
+    ``F += δ²ᵀ x²``), :meth:`embedding` adds a lookup's ``δ²`` onto the rows it read."""
+
+    def __init__(self, modules: Mapping[str, nn.Module], use: Mapping[str, str], fisher: dict[str, torch.Tensor]):
+        self.modules, self.use, self.fisher = modules, use, fisher
+        self._saved: dict[str, torch.Tensor] = {}
+
+    @contextlib.contextmanager
+    def linears(self, names) -> Iterator[None]:
+        handles = []
+        try:
+            for mname in names:
+                mod = self.modules[mname]
+                if mname in self.use and isinstance(mod, nn.Linear):
+                    handles.append(mod.register_forward_hook(self._fwd(mname)))
+                    handles.append(mod.register_full_backward_hook(self._bwd(mname)))
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+            self._saved.clear()
+
+    def embedding(self, mname: str, ids: torch.Tensor, grad: torch.Tensor) -> None:
+        """The lookup of `ids` (one sequence) by embedding module `mname`, whose output got `grad`."""
+        self.fisher[self.use[mname]].index_add_(0, ids.to(grad.device), grad.float().pow(2))
+
+    def _fwd(self, mname):
         def hook(_mod, args, _out):
-            saved[mname] = args[0].detach()
+            self._saved[mname] = args[0].detach()
         return hook
 
-    def bwd(mname):
+    def _bwd(self, mname):
         def hook(_mod, _gin, gout):
-            x = saved.pop(mname)
+            x = self._saved.pop(mname)
             d = gout[0].detach()
             x2 = x.reshape(-1, x.shape[-1]).float().pow(2)
             d2 = d.reshape(-1, d.shape[-1]).float().pow(2)
-            fisher[use[mname]].add_(d2.t() @ x2)
+            self.fisher[self.use[mname]].add_(d2.t() @ x2)
         return hook
 
-    try:
-        for mname, tname in use.items():
-            mod = modules[mname]
-            if isinstance(mod, nn.Linear):
-                handles.append(mod.register_forward_hook(fwd(mname)))
-                handles.append(mod.register_full_backward_hook(bwd(mname)))
-        gen = torch.Generator().manual_seed(seed)
-        n_tok = 0
+
+def module_uses(plans: Sequence) -> dict[str, str]:
+    """module name -> the name of the planned tensor it uses."""
+    return {m: p.name for p in plans for m in p.modules}
+
+
+def sample_labels(logits: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """One label per position drawn from the model's own distribution (the true Fisher's)."""
+    with torch.no_grad():
+        probs = torch.softmax(logits, dim=-1).cpu()
+        return torch.multinomial(probs, 1, generator=gen).squeeze(1).to(logits.device)
+
+
+def fisher_diagonal(model: nn.Module, plans: Sequence, tokens: torch.Tensor, *, seed: int = 0) -> dict[str, torch.Tensor]:
+    """tensor -> diag of the per-token Fisher (mean over the predicted positions of `tokens`).
+
+    The embedding's own use is added after every sequence's LM-head term, the order
+    ``layerwise.py`` can keep too."""
+    modules = dict(model.named_modules())
+    use = module_uses(plans)
+    weights = {p.name: modules[p.modules[0]].weight for p in plans}
+    fisher = {n: torch.zeros(w.shape, dtype=torch.float32, device=w.device) for n, w in weights.items()}
+    acc = FisherHooks(modules, use, fisher)
+    emb = model.get_input_embeddings()
+    emb_name = next((m for m, mod in modules.items() if mod is emb), None)
+    gen = torch.Generator().manual_seed(seed)
+    n_tok = 0
+    lookups = []
+    with acc.linears(list(use)):
         for row in tokens:
             ids = row.unsqueeze(0).to(next(model.parameters()).device)
             with torch.no_grad():
                 x0 = emb(ids)
             x0 = x0.detach().requires_grad_(True)
-            logits = model(inputs_embeds=x0).logits[0, :-1].float()
-            with torch.no_grad():
-                probs = torch.softmax(logits, dim=-1).cpu()
-                y = torch.multinomial(probs, 1, generator=gen).squeeze(1).to(logits.device)
+            logits = model(inputs_embeds=x0, use_cache=False).logits[0, :-1].float()
+            y = sample_labels(logits, gen)
             loss = F.cross_entropy(logits, y, reduction="sum")
             (g0,) = torch.autograd.grad(loss, x0)
-            if emb_name in use:  # the embedding's own use: δ_i² onto the row of token i (the sampled loss's)
-                fisher[use[emb_name]].index_add_(0, ids[0], g0[0].float().pow(2))
+            lookups.append((ids[0], g0[0]))
             n_tok += logits.shape[0]
-            saved.clear()
-    finally:
-        for h in handles:
-            h.remove()
+    if emb_name in use:  # the embedding's own use: δ² onto the row of each token (the sampled loss's)
+        for ids, g0 in lookups:
+            acc.embedding(emb_name, ids, g0)
     for f in fisher.values():
         f.div_(max(1, n_tok))
     return fisher

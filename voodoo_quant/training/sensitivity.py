@@ -251,14 +251,13 @@ def ensure_table(cfg, base: nn.Module, plans: Sequence, vectors, tokens: torch.T
     float `base` (before the gates replace its weights) on the first ``--sensitivity_sequences``
     sequences, and saved there. ``fisher`` (downstream-aware, ``fisher.py``) or ``output`` (each
     tensor's own output error, above)."""
-    from ..student import selectable_weights
+    from ..provenance import model_weights_sha256
+    from . import layerwise
     from .fisher import curvature_table, fisher_diagonal
-    from .setup import candidate_blobs
+    from .setup import candidate_sources, reader_weights
 
     kind = cfg.sensitivity_kind
     calib = tokens[: cfg.sensitivity_sequences]
-    from ..provenance import model_weights_sha256
-
     key = table_key(plans, calib, cfg.model, weights_sha256=model_weights_sha256(base, plans), vectors=vectors or {},
                     seed=cfg.seed)
     key = f"{key}-{kind}"
@@ -267,16 +266,26 @@ def ensure_table(cfg, base: nn.Module, plans: Sequence, vectors, tokens: torch.T
     names = {p.name for p in plans}
     if stored is not None and set(stored[0]) == names and (stored[1] is not None or not need_curvature):
         return Sensitivity(stored[0], stored[1], path=path, key=key)
-    weights = {n: w for n, (w, _) in selectable_weights(base).items()}
-    blobs = candidate_blobs(plans, weights, vectors, progress=progress)  # the cache training reads too
+    streamed = layerwise.applies(base)  # a skeleton: one decoder layer at a time (layerwise.py)
+    if streamed and kind != "fisher":
+        raise ValueError("the output-error table reads the loaded model (training/setup.py sensitivity_model)")
+    weights = reader_weights(base, plans)
+    sources = candidate_sources(plans, weights, vectors or {}, progress=progress)  # the cache training reads too
+
+    def blobs_for(p):
+        return dict(zip(p.menu.types, sources(p)))
+
     curv = fish = None
     if kind == "fisher" or need_curvature:
-        fish = fisher_diagonal(base, plans, calib, seed=cfg.seed)
-        curv = curvature_table(plans, weights, fish, lambda p: dict(zip(p.menu.types, blobs[p.name])))
+        if streamed:
+            curv = layerwise.layerwise_curvature(base, plans, calib, blobs_for, seed=cfg.seed, device=device)
+        else:
+            fish = fisher_diagonal(base, plans, calib, seed=cfg.seed)
+            curv = curvature_table(plans, weights, fish, blobs_for)
     if kind == "fisher":
         table = {n: [c["m"][k][k] for k in range(len(c["types"]))] for n, c in curv.items()}
     else:
-        table = compute_table(base, plans, weights, lambda p: blobs[p.name], calib, device=device)
+        table = compute_table(base, plans, weights, sources, calib, device=device)
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
     save_table(path, table, key, plans, curv)
     return Sensitivity(table, curv, fish, path=path, key=key)

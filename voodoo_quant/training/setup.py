@@ -114,9 +114,11 @@ def reader_of(model: nn.Module):
 
 
 def sensitivity_model(cfg: TrainConfig, base: nn.Module, tp=None) -> nn.Module:
-    """The float model the sensitivity pass reads: `base`, or for a skeleton the whole model,
-    loaded on the rank that computes the table (rank 0; the others read the saved table)."""
-    if reader_of(base) is None or (tp is not None and not tp.is_main):
+    """The float model the sensitivity pass reads: `base`, loaded or a skeleton (the Fisher pass
+    then reads it one decoder layer at a time: training/layerwise.py). The output-error table
+    (``--sensitivity_kind output``) needs the loaded model: a skeleton's rank 0 loads it whole
+    (the others read the saved table)."""
+    if reader_of(base) is None or (tp is not None and not tp.is_main) or cfg.sensitivity_kind == "fisher":
         return base
     from ..modeling import load_model
 
@@ -124,6 +126,15 @@ def sensitivity_model(cfg: TrainConfig, base: nn.Module, tp=None) -> nn.Module:
     if cfg.base_checkpoint:
         _load_into(full, cfg.base_checkpoint, "base checkpoint")
     return full
+
+
+def reader_weights(model: nn.Module, plans):
+    """name -> float weight of every planned tensor: a loaded model's own, or for a skeleton read
+    from its checkpoint one at a time when asked."""
+    reader = reader_of(model)
+    if reader is not None:
+        return _ReaderWeights(reader, {p.name: p.shape for p in plans})
+    return {n: w for n, (w, _) in selectable_weights(model).items()}
 
 
 def _materialize(model: nn.Module, names, read) -> None:

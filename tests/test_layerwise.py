@@ -1,0 +1,58 @@
+"""The Fisher pass one decoder layer at a time (training/layerwise.py), on a skeleton, must give
+the very curvature matrices of the whole-model pass on the loaded model: same products, same
+order of every sum, so equal to the bit on the CPU, for every tensor-parallel architecture."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent / "helpers"))
+import tp_case  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tp_models(tmp_path_factory):
+    return tp_case.build_models(tmp_path_factory.mktemp("layerwise_models"))
+
+
+def _case(d: Path, out: Path):
+    from voodoo_quant.lazyload import WeightReader, text_skeleton
+    from voodoo_quant.modeling import load_model
+    from voodoo_quant.training.setup import candidate_sources, plan_run, reader_weights
+
+    whole = load_model(d / "model", dtype=torch.float32).eval()
+    skel = text_skeleton(d / "model")
+    skel.voodoo_reader = WeightReader(d / "model", skel)
+    _, plans, _ = plan_run(tp_case.config(d, out, 1), whole, None)
+    sources = candidate_sources(plans, reader_weights(whole, plans), {})
+    tokens = torch.load(d / "data" / "train_tokens.pt", weights_only=True)[:3, :32]
+    return whole, skel, plans, tokens, (lambda p: dict(zip(p.menu.types, sources(p))))
+
+
+@pytest.mark.parametrize("arch", tp_case.ARCHS)
+def test_layerwise_curvature_equals_the_whole_model_pass(tp_models, arch, tmp_path, ggml_lib):
+    from voodoo_quant.lazyload import meta_names
+    from voodoo_quant.training.fisher import curvature_table, fisher_diagonal
+    from voodoo_quant.training.layerwise import layerwise_curvature
+    from voodoo_quant.training.setup import reader_weights
+
+    whole, skel, plans, tokens, blobs_for = _case(tp_models[arch], tmp_path)
+    ref = curvature_table(plans, reader_weights(whole, plans), fisher_diagonal(whole, plans, tokens, seed=3), blobs_for)
+    before = meta_names(skel)
+    bufs = {n: b for n, b in skel.named_buffers()}
+    got = layerwise_curvature(skel, plans, tokens, blobs_for, seed=3)
+    assert set(got) == set(ref) == {p.name for p in plans}
+    for name in ref:
+        assert got[name]["types"] == ref[name]["types"], name
+        assert got[name]["m"] == ref[name]["m"], name  # float for float
+    # the skeleton is left as found: every parameter on meta, the same buffer objects
+    assert meta_names(skel) == before
+    assert all(p.device.type == "meta" for p in skel.parameters())
+    assert all(b is bufs[n] for n, b in skel.named_buffers())
+    # another label seed is another table: the comparison above can fail
+    other = layerwise_curvature(skel, plans, tokens[:1], blobs_for, seed=4)
+    assert any(other[n]["m"] != ref[n]["m"] for n in ref)

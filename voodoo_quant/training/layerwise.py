@@ -1,0 +1,267 @@
+"""The Fisher pass one decoder layer at a time, for a model that is not loaded (a skeleton).
+
+A tensor-parallel rank holds its model as a skeleton: parameters on ``meta``, read by name
+through its ``WeightReader``. The whole-model pass (``fisher.fisher_diagonal``) would first load
+the float32 model whole, and hold a float32 Fisher accumulator per weight beside it: for a 27B
+model about 108 GB each. This pass computes the same curvature matrices while holding one decoder
+layer at a time:
+
+1. **Record.** The embedding's output for every calibration sequence, and every layer's call
+   arguments (masks, rotary embeddings), captured by running the model with its layers replaced
+   by recorders that pass the hidden states through.
+2. **Forward.** Layer by layer: its weights read (float32, onto `device`), run on every
+   sequence without a graph, its input kept on the host, the layer released.
+3. **Head.** The model's own code after the layers (final norm, LM head) on the last hidden
+   states, with grad; labels drawn from its distribution with the same generator, in the same
+   order, as the whole-model pass; the gradient at the last hidden states kept.
+4. **Backward.** From the top, layer by layer: read again, run on its stored inputs with a
+   graph, and the gradient carried through it. Its tensors' Fisher diagonals are then complete:
+   their curvature matrices are computed from the candidates and the diagonals dropped. The
+   embedding's own use is added last, as the whole-model pass adds it.
+
+Every product and every sum is the whole-model pass's, in its order, so on the CPU the tables are
+equal to the bit (tests/test_layerwise.py). Peak memory: on `device`, the embedding and head, one
+layer with its Fisher accumulators, and one sequence's activations through one layer; on the host,
+each layer's input for the calibration sequences, ``(layers + 1) × sequences × seq_len × hidden``
+float32 values (:func:`host_bytes`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+from typing import Callable, Iterator, Mapping, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..errors import ConfigError
+from ..parallel import decoder_layers
+from .fisher import FisherHooks, curvature, module_uses, sample_labels
+
+log = logging.getLogger(__name__)
+
+
+def applies(model: nn.Module) -> bool:
+    """Whether `model` is a skeleton with a weight reader (the case this pass is for)."""
+    return getattr(model, "voodoo_reader", None) is not None
+
+
+def host_bytes(n_layers: int, sequences: int, seq_len: int, hidden: int) -> int:
+    """Host bytes of the stored layer inputs (float32), the pass's largest term."""
+    return (n_layers + 1) * sequences * seq_len * hidden * 4
+
+
+class _Pass(nn.Module):
+    """Stands in for decoder layer `index`: records its call's arguments into `sink` (when given)
+    and returns the hidden states unchanged."""
+
+    def __init__(self, index: int, sink: dict | None = None):
+        super().__init__()
+        self.index, self.sink = index, sink
+
+    def forward(self, hidden_states, *args, **kwargs):
+        if self.sink is not None:
+            self.sink[self.index] = (hidden_states, args, kwargs)
+        return hidden_states
+
+
+@contextlib.contextmanager
+def _layers_replaced(layers: nn.ModuleList, sink: dict | None) -> Iterator[None]:
+    real = list(layers)
+    try:
+        for i in range(len(real)):
+            layers[i] = _Pass(i, sink)
+        yield
+    finally:
+        for i, m in enumerate(real):
+            layers[i] = m
+
+
+@contextlib.contextmanager
+def _restored(model: nn.Module) -> Iterator[None]:
+    """Every module's parameters and buffers put back as they were (meta skeleton tensors) on exit."""
+    saved = [(m, dict(m._parameters), dict(m._buffers)) for m in model.modules()]
+    try:
+        yield
+    finally:
+        for m, params, bufs in saved:
+            m._parameters.clear()
+            m._parameters.update(params)
+            m._buffers.clear()
+            m._buffers.update(bufs)
+
+
+def _materialize(model: nn.Module, names: Sequence[tuple[str, nn.Module, str]], reader, device) -> None:
+    """Read (float32, onto `device`) each ``(qualified name, module, attribute)``, once per tied
+    tensor, and put it on every module that holds the same skeleton parameter."""
+    holders: dict[int, list[tuple[nn.Module, str]]] = {}
+    for m in model.modules():
+        for k, p in m._parameters.items():
+            if p is not None:
+                holders.setdefault(id(p), []).append((m, k))
+    for name, mod, attr in names:
+        old = mod._parameters[attr]
+        if id(old) not in holders:  # a tied tensor's second name: already read under its first
+            continue
+        t = reader.get(name, tuple(old.shape)).to(device=device, dtype=torch.float32)
+        new = nn.Parameter(t, requires_grad=False)
+        for m, k in holders.pop(id(old)):
+            m._parameters[k] = new
+
+
+def _buffers_to(mod: nn.Module, device, recurse: bool = True) -> None:
+    for m in (mod.modules() if recurse else (mod,)):
+        for k, b in list(m._buffers.items()):
+            if b is not None and b.device.type != "meta":
+                m._buffers[k] = b.to(device)
+
+
+def _params(mod: nn.Module, prefix: str) -> list[tuple[str, nn.Module, str]]:
+    out = []
+    for mname, m in mod.named_modules(prefix=prefix):
+        for k, p in m._parameters.items():
+            if p is not None:
+                out.append((f"{mname}.{k}" if mname else k, m, k))
+    return out
+
+
+def _release(names: Sequence[tuple[str, nn.Module, str]], originals: Mapping[tuple[int, str], nn.Parameter]) -> None:
+    for _name, mod, attr in names:
+        mod._parameters[attr] = originals[(id(mod), attr)]
+
+
+def _accepts(fn, name: str) -> bool:
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # pragma: no cover - a builtin without a signature
+        return False
+
+
+def layerwise_curvature(model: nn.Module, plans: Sequence, tokens: torch.Tensor,
+                        blobs_for: Callable[[object], Mapping[str, bytes]], *, seed: int = 0,
+                        device: torch.device | None = None) -> dict[str, dict]:
+    """tensor -> {"types", "m"} as ``fisher.curvature_table(plans, weights, fisher_diagonal(...))``
+    of the loaded model would give, computed on skeleton `model` one decoder layer at a time.
+    `blobs_for(plan)` gives type -> ggml bytes of the rungs to price. The skeleton is left as it
+    was found (every parameter back on ``meta``)."""
+    reader = model.voodoo_reader
+    device = torch.device("cpu") if device is None else torch.device(device)
+    host = torch.device("cpu")
+    prefix, layers = decoder_layers(model)
+    n_layers = len(layers)
+    modules = dict(model.named_modules())
+    use = module_uses(plans)
+    layer_of: dict[str, int | None] = {}
+    for p in plans:
+        idx = {_layer_index(m, prefix) for m in p.modules}
+        layer_of[p.name] = idx.pop() if len(idx) == 1 else None
+    by_layer: dict[int | None, list] = {}
+    for p in plans:
+        by_layer.setdefault(layer_of[p.name], []).append(p)
+    emb = model.get_input_embeddings()
+    emb_name = next((m for m, mod in modules.items() if mod is emb), None)
+    fisher: dict[str, torch.Tensor] = {}
+    acc = FisherHooks(modules, use, fisher)
+    out: dict[str, dict] = {}
+
+    def weight_of(p) -> torch.Tensor:
+        return modules[p.modules[0]].weight
+
+    def start(ps) -> None:
+        for p in ps:
+            fisher[p.name] = torch.zeros(weight_of(p).shape, dtype=torch.float32, device=device)
+
+    def finish(ps, n_tok: int) -> None:
+        for p in ps:
+            f = fisher.pop(p.name).div_(max(1, n_tok))
+            types, m = curvature(p, weight_of(p), f, blobs_for(p))
+            out[p.name] = {"types": types, "m": m.tolist()}
+
+    with _restored(model):
+        originals = {(id(m), k): p for m in model.modules() for k, p in m._parameters.items()}
+        outside = [t for t in _params(model, "") if not t[0].startswith(prefix + ".")]
+        _materialize(model, outside, reader, device)
+        for mname, m in model.named_modules():
+            if not mname.startswith(prefix + ".") and mname != prefix:
+                _buffers_to(m, device, recurse=False)
+        start(by_layer.get(None, []))
+        keep = {"logits_to_keep": 1} if _accepts(model.forward, "logits_to_keep") else {}
+
+        # 1. record: every sequence's embedding output and every layer's call arguments
+        ids_of, hidden, calls = [], [], []
+        for row in tokens:
+            ids = row.unsqueeze(0).to(device)
+            sink: dict[int, tuple] = {}
+            with torch.no_grad(), _layers_replaced(layers, sink):
+                x0 = emb(ids)
+                model(inputs_embeds=x0, use_cache=False, **keep)
+            if len(sink) != n_layers or not torch.equal(sink[0][0], x0):
+                raise ConfigError(f"{type(model).__name__} does not feed its embeddings to the first decoder layer "
+                                  "unchanged; its sensitivity pass needs the whole model (load it in one process)")
+            ids_of.append(ids[0])
+            hidden.append([x0.to(host)])
+            calls.append([(a, k) for _h, a, k in (sink[i] for i in range(n_layers))])
+
+        # 2. forward, one layer at a time; each layer's input stays on the host
+        for i in range(n_layers):
+            names = _params(layers[i], f"{prefix}.{i}")
+            _materialize(model, names, reader, device)
+            _buffers_to(layers[i], device)
+            with torch.no_grad():
+                for s in range(len(hidden)):
+                    a, k = calls[s][i]
+                    y = layers[i](hidden[s][i].to(device), *a, **k)
+                    if not isinstance(y, torch.Tensor):
+                        raise ConfigError(f"decoder layer {i} of {type(model).__name__} returns "
+                                          f"{type(y).__name__}, not the hidden states; its sensitivity pass "
+                                          "needs the whole model (load it in one process)")
+                    hidden[s].append(y.to(host))
+            _release(names, originals)
+        log.info("sensitivity pass: %d layers forward, %d sequences", n_layers, len(hidden))
+
+        # 3. the head: the model's code after the layers, labels drawn as the whole-model pass draws them
+        gen = torch.Generator().manual_seed(seed)
+        grads, n_tok = [], 0
+        outside_modules = [m for m in use if layer_of[use[m]] is None]
+        with _layers_replaced(layers, None), acc.linears(outside_modules):
+            for s in range(len(hidden)):
+                x = hidden[s][n_layers].to(device).requires_grad_(True)
+                logits = model(inputs_embeds=x, use_cache=False).logits[0, :-1].float()
+                y = sample_labels(logits, gen)
+                loss = F.cross_entropy(logits, y, reduction="sum")
+                (g,) = torch.autograd.grad(loss, x)
+                grads.append(g)
+                n_tok += logits.shape[0]
+                hidden[s].pop()
+
+        # 4. backward, one layer at a time from the top; a layer's curvature as soon as it is complete
+        for i in reversed(range(n_layers)):
+            names = _params(layers[i], f"{prefix}.{i}")
+            _materialize(model, names, reader, device)
+            _buffers_to(layers[i], device)
+            ps = by_layer.get(i, [])
+            start(ps)
+            with acc.linears([m for p in ps for m in p.modules]):
+                for s in range(len(hidden)):
+                    a, k = calls[s][i]
+                    x = hidden[s].pop().to(device).requires_grad_(True)
+                    y = layers[i](x, *a, **k)
+                    (grads[s],) = torch.autograd.grad(y, x, grad_outputs=grads[s])
+            finish(ps, n_tok)
+            _release(names, originals)
+        if emb_name in use:  # the embedding's own use, after every LM-head term (fisher_diagonal's order)
+            for ids, g in zip(ids_of, grads):
+                acc.embedding(emb_name, ids, g[0])
+        finish(by_layer.get(None, []), n_tok)
+    return out
+
+
+def _layer_index(mname: str, prefix: str) -> int | None:
+    head = prefix + "."
+    if not mname.startswith(head):
+        return None
+    first = mname[len(head):].split(".", 1)[0]
+    return int(first) if first.isdigit() else None
