@@ -56,3 +56,24 @@ def test_layerwise_curvature_equals_the_whole_model_pass(tp_models, arch, tmp_pa
     # another label seed is another table: the comparison above can fail
     other = layerwise_curvature(skel, plans, tokens[:1], blobs_for, seed=4)
     assert any(other[n]["m"] != ref[n]["m"] for n in ref)
+
+
+def test_a_model_that_transforms_its_embeddings_is_refused_with_the_way_out(tp_models, tmp_path, ggml_lib):
+    """The pass feeds the stored hidden states straight to the layers and the head: a model whose
+    code between the embedding and the first layer changes them (Gemma scales them) would get
+    another table, so it is refused, with the flag that computes the table on the whole model."""
+    from voodoo_quant.errors import ConfigError
+    from voodoo_quant.lazyload import meta_names
+    from voodoo_quant.training.layerwise import layerwise_curvature
+
+    _whole, skel, plans, tokens, blobs_for = _case(tp_models["llama"], tmp_path)
+
+    def scale(_mod, args, kwargs):
+        kwargs["inputs_embeds"] = kwargs["inputs_embeds"] * 2.0
+        return args, kwargs
+
+    before = meta_names(skel)
+    skel.model.register_forward_pre_hook(scale, with_kwargs=True)
+    with pytest.raises(ConfigError, match="does not feed its embeddings.*--sensitivity_kind output"):
+        layerwise_curvature(skel, plans, tokens, blobs_for)
+    assert meta_names(skel) == before  # left as found

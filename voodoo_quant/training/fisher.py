@@ -132,17 +132,17 @@ def curvature(plan, weight: torch.Tensor, fisher: torch.Tensor, blobs: Mapping[s
     """(types, M) with ``M[j][k] = ½ Σ F ⊙ (W_j − W) ⊙ (W_k − W)`` over `blobs` (type -> ggml bytes)."""
     lib = ggml.lib()
     w = weight.detach().float().cpu()
-    sf = fisher.detach().float().cpu().sqrt()
+    sf = fisher.detach().float().cpu().sqrt().reshape(-1)
     types = list(blobs)
-    errs = []
+    wqs = []  # every rung dequantized (float32, the weight's layout); the errors are formed a chunk at a time
     for t in types:
         deq = lib.dequantize(blobs[t], t, (plan.rows, plan.n_per_row), name=plan.name)
-        wq = plan.layout.from_gguf(torch.from_numpy(deq)).reshape(w.shape)
-        errs.append(((wq - w) * sf).reshape(-1))
-    e = torch.stack(errs)  # float32 [K, n]; the products are summed in float64, a chunk at a time
+        wqs.append(plan.layout.from_gguf(torch.from_numpy(deq)).reshape(w.shape).reshape(-1))
+    w = w.reshape(-1)
     m = torch.zeros(len(types), len(types), dtype=torch.float64)
-    for lo in range(0, e.shape[1], 1 << 20):
-        c = e[:, lo: lo + (1 << 20)].double()
+    for lo in range(0, w.numel(), 1 << 20):  # float32 errors, their products summed in float64
+        hi = lo + (1 << 20)
+        c = torch.stack([(q[lo:hi] - w[lo:hi]) * sf[lo:hi] for q in wqs]).double()
         m += c @ c.t()
     return types, (0.5 * m).numpy()
 

@@ -158,6 +158,8 @@ def layerwise_curvature(model: nn.Module, plans: Sequence, tokens: torch.Tensor,
     for p in plans:
         idx = {_layer_index(m, prefix) for m in p.modules}
         layer_of[p.name] = idx.pop() if len(idx) == 1 else None
+        if layer_of[p.name] is None and _layer_index(p.modules[0], prefix) is not None:
+            raise _unsupported(model, f"{p.name} is used inside and outside its decoder layers")
     by_layer: dict[int | None, list] = {}
     for p in plans:
         by_layer.setdefault(layer_of[p.name], []).append(p)
@@ -199,8 +201,7 @@ def layerwise_curvature(model: nn.Module, plans: Sequence, tokens: torch.Tensor,
                 x0 = emb(ids)
                 model(inputs_embeds=x0, use_cache=False, **keep)
             if len(sink) != n_layers or not torch.equal(sink[0][0], x0):
-                raise ConfigError(f"{type(model).__name__} does not feed its embeddings to the first decoder layer "
-                                  "unchanged; its sensitivity pass needs the whole model (load it in one process)")
+                raise _unsupported(model, "it does not feed its embeddings to the first decoder layer unchanged")
             ids_of.append(ids[0])
             hidden.append([x0.to(host)])
             calls.append([(a, k) for _h, a, k in (sink[i] for i in range(n_layers))])
@@ -215,9 +216,7 @@ def layerwise_curvature(model: nn.Module, plans: Sequence, tokens: torch.Tensor,
                     a, k = calls[s][i]
                     y = layers[i](hidden[s][i].to(device), *a, **k)
                     if not isinstance(y, torch.Tensor):
-                        raise ConfigError(f"decoder layer {i} of {type(model).__name__} returns "
-                                          f"{type(y).__name__}, not the hidden states; its sensitivity pass "
-                                          "needs the whole model (load it in one process)")
+                        raise _unsupported(model, f"its decoder layer {i} returns {type(y).__name__}, not the hidden states")
                     hidden[s].append(y.to(host))
             _release(names, originals)
         log.info("sensitivity pass: %d layers forward, %d sequences", n_layers, len(hidden))
@@ -244,7 +243,7 @@ def layerwise_curvature(model: nn.Module, plans: Sequence, tokens: torch.Tensor,
             _buffers_to(layers[i], device)
             ps = by_layer.get(i, [])
             start(ps)
-            with acc.linears([m for p in ps for m in p.modules]):
+            with acc.linears([m for m in use if _layer_index(m, prefix) == i]):
                 for s in range(len(hidden)):
                     a, k = calls[s][i]
                     x = hidden[s].pop().to(device).requires_grad_(True)
@@ -257,6 +256,11 @@ def layerwise_curvature(model: nn.Module, plans: Sequence, tokens: torch.Tensor,
                 acc.embedding(emb_name, ids, g[0])
         finish(by_layer.get(None, []), n_tok)
     return out
+
+
+def _unsupported(model: nn.Module, why: str) -> ConfigError:
+    return ConfigError(f"the layer-by-layer sensitivity pass cannot run on {type(model).__name__}: {why}; "
+                       "--sensitivity_kind output computes the table on the whole model instead")
 
 
 def _layer_index(mname: str, prefix: str) -> int | None:
