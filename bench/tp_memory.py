@@ -67,7 +67,7 @@ def rank_main(d: Path, out: Path, mode: str, seq: int, dtype: str) -> None:
     warm = mode in ("layerwise", "loaded")
     cfg = TrainConfig(model=str(d / "model"), data_dir=str(d / "data"), seq_len=seq, batch_size=1, max_steps=1,
                       compression_ratio=0.6, candidate_types=MENU, output_dir=str(out / mode), tensor_parallel=2,
-                      lazy=True, warm_start=warm, polish=warm, dtype=dtype, loss_chunk_size=64)
+                      lazy=True, warm_start=warm, polish=warm, guarantee=False, dtype=dtype, loss_chunk_size=64)
     tr = Trainer(cfg)
     tr.prepare()
     after_prepare = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -164,9 +164,44 @@ def test_tp2_equals_single_process_for_every_adapter(tp_models, tmp_path):
             for (ce, kl, eb), (ce0, kl0, eb0) in zip(got["history"], ref["history"]):
                 assert (ce, kl) == (pytest.approx(ce0, rel=1e-4), pytest.approx(kl0, rel=1e-3)), (case, r)
                 assert eb == pytest.approx(eb0, rel=1e-6), (case, r)
+            # rank 0 computed the warm start's Fisher table layer by layer on its skeleton (the
+            # others read it): the single process's table, number for number, no whole-model load
+            assert got["table"] == ref["table"], (case, r)
+            assert got["whole_loads"] == 0, (case, r)
             assert got["choice"] == ref["choice"], (case, r)  # exactly the same assignment
             assert got["total_bytes"] == ref["total_bytes"]
         assert all(torch.equal(ranks[0][case]["grads"][n], ranks[1][case]["grads"][n]) for n in ranks[0][case]["grads"])
+
+
+@pytest.mark.slow
+def test_tp2_guarantee_measures_what_one_process_measures(tp_models, tmp_path):
+    """Under TP the guarantee measures its candidates across the ranks (vocabulary-sharded KL on
+    the held-aside sequences): the gates' bake, the knapsack, and the references made of menu
+    types get the single process's held-aside KL, the best one is written, and every rank agrees."""
+    cases = ["llama:guarantee", "qwen3_5:guarantee"]
+    root = Path(next(iter(tp_models.values()))).parent
+    _torchrun([str(ROOT / "tests" / "helpers" / "tp_case.py"), str(root), str(tmp_path / "tp"), *cases], tmp_path)
+    ranks = [torch.load(tmp_path / "tp" / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    torch.set_num_threads(1)
+    for case in cases:
+        arch = case.split(":")[0]
+        ref = tp_case.run_case(tp_models[arch], tmp_path / "one" / arch, 1, guarantee=True)
+        one = {c["name"]: c for c in ref["guarantee"]["candidates"]}
+        for r, res in enumerate(ranks):
+            g = res[case]["guarantee"]
+            got = {c["name"]: c for c in g["candidates"]}
+            assert {"gates", "gates+polish", "knapsack"} <= set(got), (case, r, sorted(got))
+            assert set(got) <= set(one)  # the references of menu types only
+            for name, c in got.items():
+                assert c["bytes"] == one[name]["bytes"], (case, r, name)
+                assert c["kl"] == pytest.approx(one[name]["kl"], rel=1e-4), (case, r, name)
+            best = min(got.values(), key=lambda c: (c["kl"], c["bytes"], c["name"]))
+            assert g["winner"] == best["name"] and g["search"] is None, (case, r)
+            assert g["final_kl"] == got[g["winner"]]["kl"]
+        assert ranks[0][case]["written"] == ranks[1][case]["written"]
+        assert ranks[0][case]["guarantee"] == ranks[1][case]["guarantee"]  # the same values on every rank
+        if ref["guarantee"]["winner"] in got and ref["guarantee"]["search"] is None:
+            assert ranks[0][case]["written"] == ref["written"], case
 
 
 @pytest.mark.slow
@@ -176,7 +211,7 @@ def test_voodoo_tp_cli_runs_the_ranks_and_writes_the_single_process_assignment(t
     d = tp_models["lfm2"]
     flags = ["--model", str(d / "model"), "--data_dir", str(d / "data"), "--seq_len", "32", "--batch_size", "2",
              "--max_steps", "3", "--compression_ratio", "0.62", "--candidate_types", *tp_case.MENU,
-             "--loss_chunk_size", "24"]
+             "--loss_chunk_size", "24", "--no_guarantee"]  # the bake on both sides (the guarantee: the test above)
     env = dict(os.environ, OMP_NUM_THREADS="1", VOODOO_QUANT_WORKERS="1")
     p = subprocess.run([str(Path(sys.executable).with_name("voodoo")), "tp", "--nproc", "2", "--", *flags,
                         "--output_dir", str(tmp_path / "tp")], capture_output=True, text=True, env=env, timeout=900)

@@ -342,14 +342,16 @@ def test_search_alone_computes_the_table_its_curvature_needs(gate_model_dir, tmp
     assert (tmp_path / "run" / "sensitivity.pt").is_file()
 
 
-def test_tensor_parallel_runs_skip_the_table_of_measurements_they_do_not_make():
-    """Under --tensor_parallel the guarantee and the search do not run (the bake is written), so
-    with --no_warm_start --no_polish no rank loads the whole float model for a sensitivity pass."""
+def test_tensor_parallel_runs_measure_the_guarantee_but_do_not_search():
+    """Under --tensor_parallel the guarantee runs (its knapsack reference reads the table) and
+    the search does not; without the guarantee, warm start and polish no table is computed."""
     k = dict(model="m", data_dir="d", compression_ratio=0.6, warm_start=False, polish=False)
     one = TrainConfig(**k)
-    assert one.measures and one.needs_sensitivity
+    assert one.measures and one.searches and one.needs_sensitivity
     tp = TrainConfig(tensor_parallel=2, **k)
-    assert not tp.measures and not tp.needs_sensitivity
-    assert TrainConfig(tensor_parallel=2, **{**k, "warm_start": True}).needs_sensitivity  # the warm start reads it
-    assert TrainConfig(tensor_parallel=2, relaxation_gap=True, **k).needs_sensitivity
+    assert tp.measures and not tp.searches and tp.needs_sensitivity
+    bare = TrainConfig(tensor_parallel=2, guarantee=False, **k)
+    assert not bare.measures and not bare.needs_sensitivity  # the search alone does not run under TP
+    assert TrainConfig(tensor_parallel=2, guarantee=False, **{**k, "warm_start": True}).needs_sensitivity
+    assert TrainConfig(tensor_parallel=2, guarantee=False, relaxation_gap=True, **k).needs_sensitivity
     assert not TrainConfig(guarantee=False, search_evals=0, **k).needs_sensitivity

@@ -5,7 +5,7 @@ assignment baked after a short run.
     python -m torch.distributed.run --nproc_per_node 2 tests/helpers/tp_case.py ROOT OUT ARCH...
 
 ROOT holds the models written by `build_models`; each rank writes OUT/rank<r>.pt. A case
-"ARCH:lazy" runs with --lazy (packed candidate shards).
+"ARCH:lazy" runs with --lazy (packed candidate shards), "ARCH:guarantee" with the guarantee on.
 """
 
 from __future__ import annotations
@@ -72,20 +72,30 @@ def run_case(d: Path, out: Path, tp: int, **kw) -> dict:
     m = tr._step(run, opt, 0)
     grads = {n: mq.gates.grad.detach().clone() for n, mq in run.mixed.items()}
     res = Trainer(config(d, out / "train", tp, **kw)).train()
-    return {"ce": m.ce, "kl": m.kl, "grads": grads,
+    return {"ce": m.ce, "kl": m.kl, "grads": grads, "table": run.sensitivity,
             "history": [(h.ce, h.kl, h.expected_bytes) for h in res.history],
-            "choice": dict(sorted(res.bake.choice.items())), "total_bytes": res.bake.total_bytes}
+            "choice": dict(sorted(res.bake.choice.items())), "total_bytes": res.bake.total_bytes,
+            "written": {n: t.qtype for n, t in sorted(res.assignment.tensors.items())},
+            "guarantee": res.assignment.meta.get("guarantee")}
 
 
 def main(argv: list[str]) -> None:
     import torch.distributed as dist
 
+    from voodoo_quant import modeling
+
     root, out, archs = Path(argv[0]), Path(argv[1]), argv[2:]
     torch.set_num_threads(1)
+    whole = []  # a rank reads shards and streams the sensitivity pass: it never loads the model whole
+    real = modeling.load_model
+    modeling.load_model = lambda *a, **k: whole.append(a) or real(*a, **k)
     results = {}
-    for case in archs:  # "arch" or "arch:lazy"
+    for case in archs:  # "arch", "arch:lazy" or "arch:guarantee" (the guarantee measured across the ranks)
         arch, _, mode = case.partition(":")
-        results[case] = run_case(root / arch, out / case.replace(":", "-"), 2, lazy=(mode == "lazy"))
+        whole.clear()
+        kw = {"guarantee": True} if mode == "guarantee" else {"lazy": mode == "lazy"}
+        results[case] = run_case(root / arch, out / case.replace(":", "-"), 2, **kw)
+        results[case]["whole_loads"] = len(whole)
     rank = dist.get_rank()
     torch.save(results, out / f"rank{rank}.pt")
     dist.destroy_process_group()

@@ -178,16 +178,21 @@ class TrainConfig:
     def needs_sensitivity(self) -> bool:
         """Whether a sensitivity table is read: the warm start, polish, the one-shot method, the
         relaxation gap, or the post-bake measurements (the guarantee's knapsack reference and the
-        search's curvature); under --tensor_parallel those do not run, so they need no table."""
+        search's curvature)."""
         return (self.warm_start or self.polish or self.method == "sensitivity"
                 or (self.method == "gates" and (self.relaxation_gap or self.measures)))
 
     @property
     def measures(self) -> bool:
-        """Whether the bake is followed by measurements on held-aside sequences (guarantee, search):
-        single-process runs only (a tensor-parallel run writes the bake)."""
-        return (self.method == "gates" and (self.guarantee or self.search_evals > 0) and self.search_sequences > 0
-                and self.tensor_parallel == 1)
+        """Whether the bake is followed by measurements on held-aside sequences: the guarantee, and
+        in one process the search (a tensor-parallel run measures the guarantee's menu-type
+        candidates across its ranks and does not search)."""
+        return (self.method == "gates" and (self.guarantee or self.searches) and self.search_sequences > 0)
+
+    @property
+    def searches(self) -> bool:
+        """Whether the measured-KL search runs after the guarantee (single-process runs only)."""
+        return self.method == "gates" and self.search_evals > 0 and self.search_sequences > 0 and self.tensor_parallel == 1
 
     @property
     def log_path(self) -> Path:

@@ -13,7 +13,7 @@ import torch
 from .. import ggml
 from ..menus import is_pinned
 from .guarantee import Candidate, pin
-from .objective import HeldAside
+from .objective import HeldAside, TPHeldAside
 from .rungs import Rungs, menu_rungs, release, serve, types_of
 from .search import JOURNAL_NAME, SearchEvent, local_search, search_key
 
@@ -44,7 +44,9 @@ def _extra_weights(plan, blobs: Mapping[str, bytes], device: torch.device) -> Ca
 def improve(run, gate_choices: Sequence[tuple[str, Mapping[str, int]]], *,
             on_eval: Callable[[SearchEvent], None] | None = None) -> Outcome:
     """Measure `gate_choices` ((name, tensor -> menu index), the bake first) and the run's
-    references on the held-aside split, then search from the best. Leaves the student as it was."""
+    references on the held-aside split, then search from the best. Leaves the student as it was.
+    Under tensor parallelism every rank measures together (the same values on each), only the
+    references made of menu types are measured, and there is no search."""
     cfg, plans = run.cfg, run.plans
     hi = float(run.budget.upper_bytes)
     lo = run.budget.target_bytes * (1.0 - run.budget.tolerance)
@@ -59,13 +61,18 @@ def improve(run, gate_choices: Sequence[tuple[str, Mapping[str, int]]], *,
              for name, ch in gate_choices]
     for ref in run.references.candidates if run.references else ():
         c = pin(ref, baked, plans, cfg.upgrades)
-        if c.total_bytes <= hi:
+        # a tensor-parallel rank holds its shards of the menu's candidates only (references.py)
+        if c.total_bytes <= hi and (run.tp is None or all(t in by[n].menu.types for n, t in c.types.items())):
             cands.append(c)
     for c in cands:
         for n, t in c.types.items():
             rungs[n].add(t, by[n].sizes[by[n].menu.types.index(t)] if t in by[n].menu.types else _nbytes(by[n], t))
-    held = HeldAside(run.student, run.teacher, run.held_tokens, device=run.device, teacher_device=run.teacher_device,
-                     chunk_tokens=cfg.loss_chunk_size)
+    if run.tp is not None:
+        held = TPHeldAside(run.student, run.teacher, run.held_tokens, run.tp, device=run.device,
+                           teacher_device=run.teacher_device, chunk_tokens=cfg.loss_chunk_size)
+    else:
+        held = HeldAside(run.student, run.teacher, run.held_tokens, device=run.device, teacher_device=run.teacher_device,
+                         chunk_tokens=cfg.loss_chunk_size)
     try:
         measured = {}
         for c in cands:
@@ -79,7 +86,7 @@ def improve(run, gate_choices: Sequence[tuple[str, Mapping[str, int]]], *,
         start, start_m = measured[best.name]
         search = None
         current = start
-        if cfg.search_evals > 0:
+        if cfg.search_evals > 0 and run.tp is None:  # the search's probes and replays are single-process
             pinned = {n for n in rungs if is_pinned(n, cfg.upgrades)}
             settings = {"result_hash": cfg.result_hash(), "reprobe": 4, "hi": hi, "lo": lo, "margin": cfg.search_margin}
             key = search_key(types_of(rungs, start), held, settings)

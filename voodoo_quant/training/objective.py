@@ -245,6 +245,32 @@ class HeldAside:
             serve(rungs, current)
 
 
+class TPHeldAside:
+    """KL(teacher ‖ student) on `tokens` under tensor parallelism: each sequence through the
+    vocabulary-sharded loss (``parallel.tp_distill_terms``), so every rank gets the same value.
+    The mean of per-sequence mean KLs, as :class:`HeldAside` measures it. It keeps no teacher
+    cache and replays no layer: under TP the guarantee measures a few assignments and the search
+    does not run."""
+
+    def __init__(self, student: nn.Module, teacher: nn.Module, tokens: torch.Tensor, tp, *, device: torch.device,
+                 teacher_device: torch.device | None = None, chunk_tokens: int = 0):
+        if tokens.dim() != 2 or tokens.shape[0] < 1 or tokens.shape[1] < 2:
+            raise ValueError(f"held-aside tokens must be [n >= 1, seq >= 2], got {tuple(tokens.shape)}")
+        self.student, self.teacher, self.tokens, self.tp = student, teacher, tokens, tp
+        self.device, self.teacher_device, self.chunk = device, teacher_device, chunk_tokens
+
+    def measure(self) -> Measurement:
+        from ..parallel import tp_distill_terms
+
+        per = []
+        with torch.no_grad(), parametrize.cached():
+            for row in self.tokens:
+                _ce, kl = tp_distill_terms(self.student, self.teacher, row.unsqueeze(0).to(self.device), self.tp,
+                                           chunk_tokens=self.chunk, teacher_device=self.teacher_device)
+                per.append(float(kl))
+        return Measurement(sum(per) / len(per), tuple(per))
+
+
 def _decoder_layers(model: nn.Module) -> nn.ModuleList | None:
     """The base model's ModuleList of decoder layers (``model.model.layers``), if it has one."""
     base = getattr(model, getattr(model, "base_model_prefix", "") or "", None)

@@ -24,9 +24,12 @@ def plan_references_for(run, base, vectors, imx, *, progress: bool = False) -> N
     menu_types = sorted({t for p in run.plans for t in p.menu.types})
     refs = plan_references(run.plans, run.budget.upper_bytes, covered=set(vectors), knapsack=knap, stock=stock,
                            stock_ftypes=cfg.stock_references, menu_types=menu_types)
+    run.references = refs
+    if run.tp is not None:  # a rank holds its shards of the menu's candidates only: no off-menu rungs
+        run.extra_blobs = {}  # (finalize.improve measures the references made of menu types)
+        return
     weights = {n: w for n, (w, _) in selectable_weights(base).items()}
     run.extra_blobs = extra_candidate_blobs(run.plans, weights, vectors, refs.extra, progress=progress)
-    run.references = refs
 
 
 def complete_curvature(run, base, vectors, sens, *, save: bool = True) -> None:

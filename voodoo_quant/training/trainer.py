@@ -122,14 +122,14 @@ class Trainer:
         if cfg.needs_sensitivity:
             from .sensitivity import ensure_table
 
-            need_curv = build and ((self.measures and cfg.search_evals > 0) or (cfg.relaxation_gap and cfg.method == "gates"))
+            need_curv = build and ((self.measures and cfg.searches) or (cfg.relaxation_gap and cfg.method == "gates"))
             with _main_first(tp):  # rank 0 computes and saves the table; the others load it
                 sens = ensure_table(cfg, sensitivity_model(cfg, base, tp), plans, vectors, self.run.tokens,
                                     progress=self.progress, need_curvature=need_curv, device=device)
             self.run.sensitivity, self.run.curvature = sens.table, sens.curvature
         if build and cfg.method == "gates" and self.measures:
             plan_references_for(self.run, base, vectors, imx, progress=self.progress)
-            if cfg.search_evals > 0:
+            if cfg.searches:
                 complete_curvature(self.run, base, vectors, sens, save=self.is_main)
         if build and cfg.method == "gates":
             check_space(cfg, plans)
@@ -168,9 +168,10 @@ class Trainer:
 
     @property
     def measures(self) -> bool:
-        """Whether the bake is followed by the guarantee / search (single process, held-aside split)."""
+        """Whether the bake is followed by the guarantee (and in one process the search) on the
+        held-aside split."""
         run = self.run
-        return self.cfg.measures and run is not None and run.tp is None and run.held_tokens is not None
+        return self.cfg.measures and run is not None and run.held_tokens is not None
 
     # -- training loop -----------------------------------------------------------------------
     def train(self) -> TrainResult:
@@ -311,6 +312,10 @@ class Trainer:
 
             outcome = improve(run, choices, on_eval=self.on_search)
             types, sizes = outcome.types, outcome.sizes
+            if run.tp is not None:  # every rank measured the same values: the same winner, checked
+                from ..parallel import check_same_choice
+
+                check_same_choice({n: by[n].menu.types.index(t) for n, t in types.items()}, run.tp)
         faults.hit("bake")
         tensors = {}
         for p in run.plans:
