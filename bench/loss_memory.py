@@ -54,7 +54,9 @@ def child(tokens: int, vocab: int, hidden: int, dtype: str) -> None:
     (ce + kl).backward()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print("LOSS_PEAK", peak - before, flush=True)
-    dist.destroy_process_group()
+    from voodoo_quant.parallel import shutdown
+
+    shutdown(sync=True)  # meet, then tear down (a rank leaving first can abort in gloo)
 
 
 def main() -> None:

@@ -222,6 +222,29 @@ def test_voodoo_tp_cli_runs_the_ranks_and_writes_the_single_process_assignment(t
     assert {n: t["qtype"] for n, t in got.items()} == {n: t.qtype for n, t in one.assignment.tensors.items()}
 
 
+@pytest.mark.slow
+def test_voodoo_tp_cli_with_the_defaults_reports_the_guarantee_it_measured(tp_models, tmp_path):
+    """The recipe's path: `voodoo tp` with the guarantee and search at their defaults. Rank 0
+    prints the measured candidates and says the search does not run under TP; the assignment
+    records the winner, which is the lowest measured KL."""
+    import json
+
+    d = tp_models["llama"]
+    flags = ["--model", str(d / "model"), "--data_dir", str(d / "data"), "--seq_len", "32", "--batch_size", "2",
+             "--max_steps", "2", "--compression_ratio", "0.62", "--candidate_types", *tp_case.MENU,
+             "--loss_chunk_size", "24", "--search_sequences", "2"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", VOODOO_QUANT_WORKERS="1")
+    p = subprocess.run([str(Path(sys.executable).with_name("voodoo")), "tp", "--nproc", "2", "--", *flags,
+                        "--output_dir", str(tmp_path / "tp")], capture_output=True, text=True, env=env, timeout=900)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    assert "never worse: measured on held-aside calibration sequences" in p.stdout
+    assert "search: not run under tensor parallelism" in p.stdout
+    g = json.loads((tmp_path / "tp" / "assignment.json").read_text())["meta"]["guarantee"]
+    names = {c["name"] for c in g["candidates"]}
+    assert {"gates", "gates+polish", "knapsack"} <= names and g["search"] is None
+    assert g["winner"] == min(g["candidates"], key=lambda c: (c["kl"], c["bytes"], c["name"]))["name"]
+
+
 def test_voodoo_tp_print_only_applies_the_vendor_defaults(tp_models, tmp_path):
     d = tp_models["llama"]
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "VOODOO_QUANT_WORKERS")}

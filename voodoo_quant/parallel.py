@@ -138,12 +138,17 @@ def launched_rank() -> int:
         return 0
 
 
-def shutdown() -> None:
+def shutdown(*, sync: bool = False) -> None:
     """Destroy the default process group if one is up (a rank exiting with it alive can abort
-    in gloo's teardown: "terminate called without an active exception")."""
+    in gloo's teardown: "terminate called without an active exception"). With `sync` (every rank
+    finished its work) the ranks first meet at a barrier: a rank that tears down while another is
+    still inside the last collective or writing the outputs aborts the same way. After an error
+    there is no barrier (the other ranks may never reach it)."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
+        if sync:
+            dist.barrier()
         dist.destroy_process_group()
 
 

@@ -98,7 +98,9 @@ def main(argv: list[str]) -> None:
         results[case]["whole_loads"] = len(whole)
     rank = dist.get_rank()
     torch.save(results, out / f"rank{rank}.pt")
-    dist.destroy_process_group()
+    from voodoo_quant.parallel import shutdown
+
+    shutdown(sync=True)
 
 
 if __name__ == "__main__":

@@ -106,6 +106,7 @@ def register(app: typer.Typer) -> None:
                 return
             if cfg.tensor_parallel > 1 and launched_rank() > 0:  # rank 0 reports and writes; the others compute
                 Trainer(cfg).train()
+                shutdown(sync=True)
                 return
             trainer = Trainer(cfg, progress=True)
             with progress_reporter(console, trainer) as (on_step, on_search):
@@ -114,6 +115,8 @@ def register(app: typer.Typer) -> None:
                 trainer.prepare()
                 result = trainer.train()
             print_result(console, trainer.run, result)
+            if cfg.tensor_parallel > 1:
+                shutdown(sync=True)  # after rank 0 has written and reported
         finally:
             if cfg.tensor_parallel > 1:
                 shutdown()
