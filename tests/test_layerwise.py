@@ -77,3 +77,29 @@ def test_a_model_that_transforms_its_embeddings_is_refused_with_the_way_out(tp_m
     with pytest.raises(ConfigError, match="does not feed its embeddings.*--sensitivity_kind output"):
         layerwise_curvature(skel, plans, tokens, blobs_for)
     assert meta_names(skel) == before  # left as found
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
+def test_lazy_single_process_run_reads_one_tensor_at_a_time_and_writes_the_same_file(tp_models, arch, tmp_path,
+                                                                                     monkeypatch, ggml_lib):
+    """One process with --lazy builds skeletons: the student's candidates and the (Q8_0) teacher are
+    read a tensor at a time, the Fisher table and the search's curvature are streamed layer by
+    layer. Everything it measures and writes equals the run that loads the float32 model whole."""
+    from voodoo_quant import modeling
+    from voodoo_quant.training import setup
+    from voodoo_quant.training.trainer import Trainer
+
+    d = tp_models[arch]
+    kw = dict(lazy=True, teacher_quant="Q8_0", guarantee=True, search_evals=3, search_sequences=2)
+    loads = []
+    real = modeling.load_model
+    monkeypatch.setattr(modeling, "load_model", lambda *a, **k: loads.append(a) or real(*a, **k))
+    streamed = Trainer(tp_case.config(d, tmp_path / "streamed", 1, **kw)).train()
+    assert loads == []  # never loaded whole
+    monkeypatch.setattr(setup, "can_load_sharded", lambda cfg: False)  # the whole-model path
+    whole = Trainer(tp_case.config(d, tmp_path / "whole", 1, **kw)).train()
+    assert loads
+    assert [(h.ce, h.kl, h.expected_bytes) for h in streamed.history] == [(h.ce, h.kl, h.expected_bytes) for h in whole.history]
+    assert streamed.assignment.meta["guarantee"] == whole.assignment.meta["guarantee"]
+    assert {n: t.qtype for n, t in streamed.assignment.tensors.items()} == {n: t.qtype for n, t in whole.assignment.tensors.items()}
+    assert streamed.assignment.meta["guarantee"]["search"]["evals"] > 0  # the search ran on the streamed curvature

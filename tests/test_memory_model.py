@@ -97,6 +97,13 @@ def test_the_sensitivity_pass_is_planned_where_it_runs(gate_model_dir, tmp_path)
     assert gram.bytes != fisher.bytes
     (tp,) = _sens(dry_run(parse_train_flags(base + ["--tensor_parallel", "2"]), world=2).memory)
     assert tp.bytes == 0 and "layer by layer" in tp.note
+    # one process with --lazy loads skeletons: a tensor at a time, the pass streamed
+    lazy = _mem(base + ["--lazy"])
+    (streamed,) = _sens(lazy)
+    assert streamed.name == "sensitivity pass (its own phase)" and streamed.bytes == 0
+    names = [t.name for t in lazy.host]
+    assert "one full tensor in flight (float32)" in names and not any(n.startswith("student + teacher") for n in names)
+    assert lazy.host_total < one.host_total
     assert _sens(dry_run(parse_train_flags(base + ["--tensor_parallel", "2", "--no_warm_start", "--no_polish",
                                                    "--no_guarantee"]), world=2).memory) == []
 

@@ -28,14 +28,16 @@ code holds:
   teacher logits, log-softmaxes, the KL product) and both models' final hidden states.
 
 Host memory is the loading peak: the whole float32 model twice (student + teacher deep copy) on
-one device, or one full tensor and this rank's shards under tensor parallelism (sharded loading,
-:mod:`voodoo_quant.lazyload`), plus the process baseline.
+one device, or, from a skeleton, one full tensor and this rank's shards (sharded loading under
+tensor parallelism and in one process with ``--lazy``, :mod:`voodoo_quant.lazyload`), plus the
+process baseline.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Sequence
 
 import torch
@@ -250,10 +252,11 @@ def plan_memory(cfg, model: nn.Module, plans: Sequence, *, adapter=None, tp_plan
         p.numel() for n, p in model.named_parameters() if n not in planned)
     biggest = max(_numel(p.shape) for p in plans)
     mp.host.append(Term("process baseline (torch, transformers)", PROCESS_BASELINE))
-    if world > 1:
+    skeleton = (world > 1 or cfg.lazy) and _reads_by_name(cfg.model)
+    if skeleton:
         mp.host.append(Term("one full tensor in flight (float32)", 3 * biggest * 4, "read, GGUF-layout copy, quantizer input"))
-        mp.host.append(Term("teacher shards (cast as read)" if not (q8 and cfg.lazy) else "teacher shards (packed Q8_0)",
-                            t_bytes))
+        what = "teacher shards" if world > 1 else "teacher"
+        mp.host.append(Term(f"{what} (cast as read)" if not (q8 and cfg.lazy) else f"{what} (packed Q8_0)", t_bytes))
         mp.host.append(Term("student small weights (float32, whole)", sum(
             p.numel() for n, p in model.named_parameters() if n not in planned) * 4))
     else:
@@ -264,7 +267,7 @@ def plan_memory(cfg, model: nn.Module, plans: Sequence, *, adapter=None, tp_plan
     if on_host_teacher:
         mp.host.append(Term("teacher weights (--teacher_device)", t_bytes))
     if cfg.needs_sensitivity:
-        mp.host.append(_sensitivity_term(cfg, model, plans, full, world, hidden, n_layers))
+        mp.host.append(_sensitivity_term(cfg, model, plans, full, world, hidden, n_layers, skeleton))
     if cfg.measures:
         mp.host.append(Term("post-bake measurements", 0.0, "not modelled (guarantee" + (", search" if world == 1 else "")
                             + ": objective.py); --no_guarantee" + (" --search_evals 0" if world == 1 else "")
@@ -273,29 +276,42 @@ def plan_memory(cfg, model: nn.Module, plans: Sequence, *, adapter=None, tp_plan
     return mp
 
 
+def _reads_by_name(model: str) -> bool:
+    """Whether a training run can build `model` as a skeleton and read its tensors by name
+    (training/setup.py ``can_load_sharded``: a directory of safetensors; a config-only directory,
+    as the dry run plans from, is taken to be one). A GGUF or a ``.bin`` checkpoint loads whole."""
+    src = Path(model)
+    if not src.is_dir():
+        return False
+    if any(src.glob("*.safetensors")):
+        return True
+    return not any(src.glob("*.bin")) and not any(src.glob("*.pt"))
+
+
 def _sensitivity_term(cfg, model: nn.Module, plans: Sequence, full: int, world: int, hidden: int,
-                      n_layers: int) -> Term:
-    """The sensitivity pass (training/sensitivity.py). In one process it runs on the loaded float32
-    model, at the loading peak, and adds its statistics: the Fisher kind a float32 accumulator per
-    weight, the output kind Gram matrices (at most ``GRAM_BYTES`` at once). Under tensor
-    parallelism rank 0 streams the Fisher pass one decoder layer at a time (training/layerwise.py)
-    before anything is loaded: its own phase, stated in the note and not added to the peak."""
+                      n_layers: int, skeleton: bool) -> Term:
+    """The sensitivity pass (training/sensitivity.py). On a loaded model it runs at the loading
+    peak and adds its statistics: the Fisher kind a float32 accumulator per weight, the output kind
+    Gram matrices (at most ``GRAM_BYTES`` at once). On a skeleton (tensor parallelism, or --lazy in
+    one process) the Fisher pass streams one decoder layer at a time (training/layerwise.py) before
+    anything is loaded: its own phase, stated in the note and not added to the peak."""
     from .training.layerwise import host_bytes
     from .training.sensitivity import GRAM_BYTES, gram_bytes
 
     skip = "skipped with --no_warm_start --no_polish --no_guarantee" + ("" if world > 1 else " --search_evals 0")
     seqs = cfg.sensitivity_sequences
-    if cfg.sensitivity_kind == "fisher" and world > 1:
+    who = "rank 0, its own phase" if world > 1 else "its own phase"
+    if cfg.sensitivity_kind == "fisher" and skeleton:
         stored = host_bytes(n_layers, seqs, cfg.seq_len, hidden)
-        return Term("sensitivity pass (rank 0, its own phase)", 0.0,
+        return Term(f"sensitivity pass ({who})", 0.0,
                     f"layer by layer before loading: {stored / GB:.2f} GB of stored layer inputs "
                     f"({seqs} x {cfg.seq_len} tokens) + one float32 layer; {skip}")
     modules = dict(model.named_modules())
     gram = min(GRAM_BYTES, sum(gram_bytes(p, modules) for p in plans))
     stats = full * 4 if cfg.sensitivity_kind == "fisher" else gram
     what = "Fisher accumulators (float32)" if cfg.sensitivity_kind == "fisher" else "input Gram matrices"
-    if world > 1:  # the output kind: rank 0 loads the float32 model whole for it
-        return Term("sensitivity pass (rank 0, its own phase)", 0.0,
+    if skeleton:  # the output kind: (rank 0) loads the float32 model whole for it
+        return Term(f"sensitivity pass ({who})", 0.0,
                     f"the whole float32 model {full * 4 / GB:.2f} GB + {what} {stats / GB:.2f} GB; "
                     f"--sensitivity_kind fisher streams it; {skip}")
     return Term(f"sensitivity pass: {what}", stats, skip)
@@ -422,7 +438,6 @@ def device_capacity(cfg) -> float | None:
 def dry_run(cfg, world: int | None = None) -> DryRun:
     """Plan a run from the model's config alone (a skeleton on ``meta``: no weight, no tokens
     file, no process group): menus, budget, the tensor-parallel split and the memory plan."""
-    from pathlib import Path
 
     from .arch import adapter_for
     from .budget import make_budget

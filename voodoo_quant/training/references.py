@@ -8,9 +8,8 @@ from __future__ import annotations
 def plan_references_for(run, base, vectors, imx, *, progress: bool = False) -> None:
     """The free references of the guarantee (``guarantee.plan_references``) and the candidates of
     their off-menu types, on `run`."""
-    from ..student import selectable_weights
     from .guarantee import plan_references
-    from .setup import extra_candidate_blobs
+    from .setup import extra_candidate_blobs, reader_weights
 
     cfg = run.cfg
     if not cfg.guarantee:
@@ -28,7 +27,7 @@ def plan_references_for(run, base, vectors, imx, *, progress: bool = False) -> N
     if run.tp is not None:  # a rank holds its shards of the menu's candidates only: no off-menu rungs
         run.extra_blobs = {}  # (finalize.improve measures the references made of menu types)
         return
-    weights = {n: w for n, (w, _) in selectable_weights(base).items()}
+    weights = reader_weights(base, run.plans)  # a --lazy skeleton's are read one at a time
     run.extra_blobs = extra_candidate_blobs(run.plans, weights, vectors, refs.extra, progress=progress)
 
 
@@ -36,9 +35,8 @@ def complete_curvature(run, base, vectors, sens, *, save: bool = True) -> None:
     """Curvature matrices over every rung the search may serve: the menu and the references'
     off-menu types (the Fisher diagonal is recomputed only if a stored table lacked them); with
     `save`, stored with the table so the next size of a ladder finds these rungs."""
-    from ..student import selectable_weights
-    from . import fisher
-    from .setup import candidate_blobs
+    from . import fisher, layerwise
+    from .setup import candidate_sources, reader_weights
 
     cfg = run.cfg
     if run.curvature is None:
@@ -47,14 +45,22 @@ def complete_curvature(run, base, vectors, sens, *, save: bool = True) -> None:
                                         <= set(run.curvature[p.name]["types"]))]
     if not need:
         return
-    weights = {n: w for n, (w, _) in selectable_weights(base).items()}
-    fish = sens.fisher or fisher.fisher_diagonal(base, run.plans, run.tokens[: cfg.sensitivity_sequences], seed=cfg.seed)
-    menu = candidate_blobs(need, weights, vectors)
-    for p in need:
-        blobs = dict(zip(p.menu.types, menu[p.name]))
+    weights = reader_weights(base, run.plans)
+    sources = candidate_sources(need, weights, vectors)
+
+    def blobs_for(p):
+        blobs = dict(zip(p.menu.types, sources(p)))
         blobs.update({t: b for (n, t), b in run.extra_blobs.items() if n == p.name})
-        types, m = fisher.curvature(p, weights[p.name], fish[p.name], blobs)
-        run.curvature[p.name] = {"types": types, "m": m.tolist()}
+        return blobs
+
+    calib = run.tokens[: cfg.sensitivity_sequences]
+    if sens.fisher is None and layerwise.applies(base):  # a --lazy skeleton: one decoder layer at a time
+        run.curvature.update(layerwise.layerwise_curvature(base, need, calib, blobs_for, seed=cfg.seed, device=run.device))
+    else:
+        fish = sens.fisher or fisher.fisher_diagonal(base, run.plans, calib, seed=cfg.seed)
+        for p in need:
+            types, m = fisher.curvature(p, weights[p.name], fish[p.name], blobs_for(p))
+            run.curvature[p.name] = {"types": types, "m": m.tolist()}
     if save:
         sens.save(run.plans)
 

@@ -57,7 +57,8 @@ def tiny(cfg: TrainConfig) -> TrainConfig:
 def load_models(cfg: TrainConfig, dtype: torch.dtype, *, sharded: bool = False) -> tuple[nn.Module, nn.Module]:
     """(student base, frozen teacher), both in eval mode on the CPU.
 
-    With `sharded` (a tensor-parallel rank) both are skeletons (:mod:`voodoo_quant.lazyload`):
+    With `sharded` (a tensor-parallel rank, or one process with ``--lazy``) both are skeletons
+    (:mod:`voodoo_quant.lazyload`):
     no weight is read here; :func:`build_student` streams the student's tensors one at a time into
     the candidate cache and keeps only this rank's shards, and :func:`shard_teacher` reads only the
     teacher's shards. Host memory is then one full tensor plus this rank's part of the model, not
@@ -148,21 +149,26 @@ def shard_teacher(teacher: nn.Module, tp_plan, tp) -> None:
     """Split the teacher for this rank: a loaded teacher by :func:`parallel.apply_tp`; a skeleton
     by reading only its shard of every split tensor (a Q8_0 teacher's selectable weights are
     rounded through ggml's Q8_0 first: on the shard's rows directly, as Q8_0 works row by row, or
-    on the whole tensor when the split cuts the rows)."""
+    on the whole tensor when the split cuts the rows). With `tp` None (one process, ``--lazy``) a
+    skeleton reads every tensor whole, the same way."""
     from ..lazyload import meta_names
     from ..parallel import apply_tp
 
     reader = reader_of(teacher)
     if reader is None:
-        apply_tp(teacher, tp_plan, tp)
+        if tp is not None:
+            apply_tp(teacher, tp_plan, tp)
         return
+
+    def shard_of(name: str):
+        return tp_plan.shard_of(name) if tp_plan is not None else None
     selectable = {n for n, _ in selectable_weights(teacher).items()}
     q8 = getattr(teacher, "voodoo_q8", False)
     params = dict(teacher.named_parameters(remove_duplicate=False))
 
     def read(name: str) -> torch.Tensor:
         shape = tuple(params[name].shape) if name in params else None
-        sh = tp_plan.shard_of(name)
+        sh = shard_of(name)
         if sh is None:
             return _q8(reader.get(name, shape), name) if q8 and name in selectable else reader.get(name, shape)
         if q8 and name in selectable:
@@ -176,7 +182,7 @@ def shard_teacher(teacher: nn.Module, tp_plan, tp) -> None:
     entries = {}
     if getattr(teacher, "voodoo_pack", False):  # --lazy: this rank's Q8_0 blocks, kept packed
         for n in names:
-            if n in selectable and (e := _q8_shard_entry(reader, n, params, tp_plan.shard_of(n), tp)) is not None:
+            if n in selectable and (e := _q8_shard_entry(reader, n, params, shard_of(n), tp)) is not None:
                 entries[n] = e
     _materialize(teacher, [n for n in names if n not in entries], lambda n: read(n).to(dtype))
     if entries:
@@ -184,8 +190,8 @@ def shard_teacher(teacher: nn.Module, tp_plan, tp) -> None:
 
         pack_teacher(teacher, entries, dtype)
     teacher.to(dtype)  # its float buffers too, as the whole-model path's teacher.to(dtype) does
-    # every split tensor is already this rank's part: apply_tp only adds the collectives
-    apply_tp(teacher, tp_plan, tp, gated=set(tp_plan.params))
+    if tp is not None:  # every split tensor is already this rank's part: apply_tp only adds the collectives
+        apply_tp(teacher, tp_plan, tp, gated=set(tp_plan.params))
     del teacher.voodoo_reader
 
 

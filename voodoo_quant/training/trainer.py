@@ -100,8 +100,9 @@ class Trainer:
             fileio.ensure_writable(cfg.out_dir)  # before minutes of loading and quantizing
         need_tokens = build or cfg.needs_sensitivity
         tokens = load_tokens(cfg.data_path, cfg.seq_len) if need_tokens else torch.empty(0, 0, dtype=torch.long)
-        # a tensor-parallel rank reads only its shards (training/setup.py load_models)
-        base, teacher = load_models(cfg, dtype, sharded=tp is not None and build and cfg.method == "gates")
+        # a tensor-parallel rank reads only its shards, and --lazy reads one tensor at a time
+        # (training/setup.py load_models): the float model is never held whole
+        base, teacher = load_models(cfg, dtype, sharded=(tp is not None or cfg.lazy) and build and cfg.method == "gates")
         if build:
             check_vocab(tokens, base, cfg.data_path)
         imx = load_imatrix(cfg)
@@ -147,6 +148,8 @@ class Trainer:
                 apply_tp(base, tp_plan, tp, gated=mixed)
                 shard_teacher(teacher, tp_plan, tp)
                 self.run.tp_sharded = {p.name for p in plans if plan_shard(tp_plan, p) is not None}
+            else:
+                shard_teacher(teacher, None, None)  # a --lazy skeleton: read whole, one tensor at a time
             teacher.to(self.run.teacher_device)
             if len(devices) > 1 or cfg.device_map:
                 from ..device_map import apply_device_map
