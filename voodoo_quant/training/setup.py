@@ -365,11 +365,8 @@ def build_student(
     from ..lazyload import meta_names, set_tensor
 
     reader = reader_of(base)
-    if reader is not None:
-        params = dict(base.named_parameters(remove_duplicate=False))
-        weights = _ReaderWeights(reader, {p.name: p.shape for p in plans})
-    else:
-        weights = {n: w for n, (w, _) in selectable_weights(base).items()}
+    params = dict(base.named_parameters(remove_duplicate=False))
+    weights = reader_weights(base, plans)
     sources = candidate_sources(plans, weights, vectors, quantize=quantize, progress=progress)
     del weights
     planned = {f"{m}.weight" for p in plans for m in p.modules} | {p.name for p in plans}
@@ -486,13 +483,7 @@ def extra_candidate_blobs(plans: list[TensorPlan], weights: dict[str, torch.Tens
 
 def candidate_blobs(plans: list[TensorPlan], weights: dict[str, torch.Tensor], vectors: dict[str, np.ndarray],
                     *, quantize=None, progress: bool = False) -> dict[str, list[bytes]]:
-    """tensor -> the ggml bytes of every menu rung (through the on-disk cache unless `quantize`)."""
-    from ..cache import CandidateCache
-    from ..precache import build_all
-    from ..student import candidate_jobs
-
-    if quantize is not None:
-        return {p.name: candidate_bytes(p, weights[p.name], vectors, quantize) for p in plans}
-    # Every candidate through the on-disk cache, built in parallel (one long-lived pool).
-    report = build_all(candidate_jobs(plans, weights, vectors), CandidateCache(), progress=progress)
-    return {p.name: [report.paths[(p.name, t)].read_bytes() for t in p.menu.types] for p in plans}
+    """tensor -> the ggml bytes of every menu rung (through the on-disk cache unless `quantize`),
+    all held at once; :func:`candidate_sources` reads them one tensor at a time."""
+    sources = candidate_sources(plans, weights, vectors, quantize=quantize, progress=progress)
+    return {p.name: sources(p) for p in plans}
