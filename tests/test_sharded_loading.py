@@ -127,3 +127,48 @@ def test_sharded_student_candidates_are_byte_exact(qwen35_dir, tmp_path, lazy, g
         assert set(a) == set(b)
         for n in a:
             assert torch.equal(a[n], b[n]), (rank, n)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_float_teacher_loaded_whole_shares_the_base_float32_weights_and_survives_the_student_build(
+        qwen35_dir, tmp_path, dtype, ggml_lib):
+    """One process loading whole: the teacher is the base's own float32 tensors (float32 run) or
+    cast straight from them, not a second float32 model; building the student (which drops and
+    replaces the base's weights) leaves the teacher equal, bit for bit, to a model loaded apart."""
+    from voodoo_quant.modeling import load_model
+    from voodoo_quant.training.setup import TORCH_DTYPES, build_student, load_models, plan_run
+
+    d = qwen35_dir["qwen3"]
+    cfg = _cfg(d, tmp_path, tensor_parallel=1, dtype=dtype)
+    base, teacher = load_models(cfg, TORCH_DTYPES[dtype])
+    assert teacher is not base
+    b, t = _state(base), _state(teacher)
+    assert set(b) == set(t)
+    for n in b:
+        if b[n].is_floating_point():
+            assert t[n].dtype == TORCH_DTYPES[dtype], n
+        shared = t[n].data_ptr() == b[n].data_ptr()
+        assert shared == (dtype == "float32" or not b[n].is_floating_point()), n
+    _, plans, budget = plan_run(cfg, base)
+    build_student(cfg, base, plans, budget, {}, torch.device("cpu"), TORCH_DTYPES[dtype])
+    ref = load_model(cfg.model, dtype=torch.float32).to(TORCH_DTYPES[dtype]).eval()
+    r, t = _state(ref), _state(teacher)
+    assert set(r) == set(t)
+    for n in r:
+        assert r[n].dtype == t[n].dtype and torch.equal(r[n], t[n]), n
+    ids = torch.load(d / "data" / "train_tokens.pt", weights_only=True)[:1, :16]
+    with torch.no_grad():
+        assert torch.equal(teacher(input_ids=ids).logits, ref(input_ids=ids).logits)
+
+
+def test_a_q8_teacher_loaded_whole_is_its_own_copy(qwen35_dir, tmp_path, ggml_lib):
+    """A teacher changed in place (Q8_0 round trip) must not change the base it was copied from."""
+    from voodoo_quant.modeling import load_model
+    from voodoo_quant.training.setup import load_models
+
+    cfg = _cfg(qwen35_dir["qwen3"], tmp_path, tensor_parallel=1, teacher_quant="Q8_0")
+    base, teacher = load_models(cfg, torch.float32)
+    ref = _state(load_model(cfg.model, dtype=torch.float32))
+    b, t = _state(base), _state(teacher)
+    assert all(torch.equal(b[n], ref[n]) for n in ref)
+    assert any(not torch.equal(t[n], ref[n]) for n in ref)

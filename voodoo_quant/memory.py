@@ -27,7 +27,8 @@ code holds:
 * **loss chunks**: ``--loss_chunk_size`` tokens × this rank's vocabulary in float32 (student and
   teacher logits, log-softmaxes, the KL product) and both models' final hidden states.
 
-Host memory is the loading peak: the whole float32 model twice (student + teacher deep copy) on
+Host memory is the loading peak: the float32 model once, its float teacher sharing its tensors
+(or cast from them; a Q8_0 or checkpoint teacher, or TP loaded whole, is a second float32 copy) on
 one device, or, from a skeleton, one full tensor and this rank's shards (sharded loading under
 tensor parallelism and in one process with ``--lazy``, :mod:`voodoo_quant.lazyload`), plus the
 process baseline.
@@ -260,7 +261,12 @@ def plan_memory(cfg, model: nn.Module, plans: Sequence, *, adapter=None, tp_plan
         mp.host.append(Term("student small weights (float32, whole)", sum(
             p.numel() for n, p in model.named_parameters() if n not in planned) * 4))
     else:
-        mp.host.append(Term("student + teacher, float32 (deep copy)", 2 * full * 4, "loaded whole on one device"))
+        if q8 or world > 1:
+            mp.host.append(Term("student + teacher, float32 (deep copy)", 2 * full * 4, "loaded whole on one device"))
+        elif db == 4:
+            mp.host.append(Term("student + teacher, float32 (shared)", full * 4, "loaded whole, one copy for both"))
+        else:
+            mp.host.append(Term("student float32 + teacher cast from it", full * (4 + db), "loaded whole"))
         if q8 and cfg.lazy:  # teacher_q8.py: the blocks exist before the float copy is dropped
             mp.host.append(Term("teacher Q8_0 blocks (packed at load)", sum(sel.values()) * 34 / 32))
         mp.host.append(Term("one tensor's candidate bytes", sum(max(p.sizes) for p in plans[:1]) * 2))
@@ -306,6 +312,18 @@ def _sensitivity_term(cfg, model: nn.Module, plans: Sequence, full: int, world: 
         return Term(f"sensitivity pass ({who})", 0.0,
                     f"layer by layer before loading: {stored / GB:.2f} GB of stored layer inputs "
                     f"({seqs} x {cfg.seq_len} tokens) + one float32 layer; {skip}")
+    if cfg.sensitivity_kind == "measured":  # training/measured.py: HeldAside's caches beside the model
+        from .training.objective import PREFIX_CACHE_BYTES, TEACHER_CACHE_BYTES
+
+        vocab = int(getattr(getattr(model, "config", None), "vocab_size", 0) or 0)
+        tokens = seqs * cfg.seq_len
+        logp = tokens * vocab * 4 if tokens * vocab * 4 <= TEACHER_CACHE_BYTES else tokens * hidden * 4
+        prefix = n_layers * tokens * hidden * 4 if n_layers * tokens * hidden * 4 <= PREFIX_CACHE_BYTES else 0
+        if str(cfg.device) == "cpu":
+            return Term("sensitivity pass (measured): caches", logp + prefix, f"one forward per tensor and rung; {skip}")
+        return Term("sensitivity pass (measured, its own phase)", 0.0,
+                    f"on the device: the float32 model {full * 4 / GB:.2f} GB + caches {(logp + prefix) / GB:.2f} GB "
+                    f"(one forward per tensor and rung); {skip}")
     modules = dict(model.named_modules())
     gram = min(GRAM_BYTES, sum(gram_bytes(p, modules) for p in plans))
     stats = full * 4 if cfg.sensitivity_kind == "fisher" else gram

@@ -61,8 +61,9 @@ def load_models(cfg: TrainConfig, dtype: torch.dtype, *, sharded: bool = False) 
     (:mod:`voodoo_quant.lazyload`):
     no weight is read here; :func:`build_student` streams the student's tensors one at a time into
     the candidate cache and keeps only this rank's shards, and :func:`shard_teacher` reads only the
-    teacher's shards. Host memory is then one full tensor plus this rank's part of the model, not
-    the whole float32 model twice."""
+    teacher's shards. Host memory is then one full tensor plus this rank's part of the model.
+    Loaded whole, a float teacher shares the base's float32 tensors (:func:`float_teacher`): one
+    float32 model, not two."""
     if sharded and can_load_sharded(cfg):
         return _skeletons(cfg)
     from ..modeling import load_model
@@ -72,6 +73,10 @@ def load_models(cfg: TrainConfig, dtype: torch.dtype, *, sharded: bool = False) 
     base = load_model(cfg.model, text_model_class=cfg.text_model_class, dtype=torch.float32)
     if cfg.base_checkpoint:
         _load_into(base, cfg.base_checkpoint, "base checkpoint")
+    for p in base.parameters():
+        p.requires_grad_(False)
+    if not (cfg.teacher_checkpoint or cfg.teacher_quant or cfg.tensor_parallel > 1):
+        return base.eval(), float_teacher(base, dtype).eval()
     teacher = copy.deepcopy(base)
     # --lazy with a Q8_0 teacher: its selectable weights held packed (training/teacher_q8.py); a
     # tensor-parallel rank that loads whole packs nothing (apply_tp splits dense weights)
@@ -85,9 +90,26 @@ def load_models(cfg: TrainConfig, dtype: torch.dtype, *, sharded: bool = False) 
         pack_teacher(teacher, entries, dtype)
     for p in teacher.parameters():
         p.requires_grad_(False)
-    for p in base.parameters():
-        p.requires_grad_(False)
     return base.eval(), teacher.to(dtype).eval()
+
+
+def float_teacher(base: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """The float teacher without a second float32 copy of the model: a structural copy of `base`
+    whose floating tensors are `base`'s own in float32 (shared, read-only for both: the student's
+    are replaced by candidates and own copies in :func:`build_student`, never written in place) or
+    cast straight to `dtype`. Not for a teacher whose weights are then changed in place (Q8_0,
+    a teacher checkpoint) or split in place (tensor parallelism loaded whole): those deep-copy."""
+    memo = {}
+    for t in list(base.parameters()) + list(base.buffers()):
+        if id(t) in memo:
+            continue
+        if not t.is_floating_point() or t.dtype == dtype:
+            memo[id(t)] = t
+        elif isinstance(t, nn.Parameter):
+            memo[id(t)] = nn.Parameter(t.detach().to(dtype), requires_grad=False)
+        else:
+            memo[id(t)] = t.to(dtype)
+    return copy.deepcopy(base, memo)
 
 
 def can_load_sharded(cfg: TrainConfig) -> bool:
