@@ -106,6 +106,24 @@ def test_the_sensitivity_pass_is_planned_where_it_runs(gate_model_dir, tmp_path)
     assert lazy.host_total < one.host_total
     assert _sens(dry_run(parse_train_flags(base + ["--tensor_parallel", "2", "--no_warm_start", "--no_polish",
                                                    "--no_guarantee"]), world=2).memory) == []
+    # the measured kind: the teacher log-probs and layer outputs HeldAside keeps (vocab 512, 4 x 64
+    # tokens, 2 layers x 256 wide, float32), beside the loaded model
+    (meas,) = _sens(_mem(base + ["--sensitivity_kind", "measured"]))
+    assert meas.name == "sensitivity pass (measured): caches"
+    assert meas.bytes == 4 * 64 * 512 * 4 + 2 * 4 * 64 * 256 * 4
+
+
+def test_the_loading_peak_holds_one_float32_model_for_a_float_teacher(gate_model_dir, tmp_path):
+    """training/setup.py float_teacher: a float32 run shares the base's tensors, a bf16 one casts
+    from them; a Q8_0 teacher (changed in place) is a second float32 copy."""
+    base = ["--model", str(gate_model_dir / "model"), "--data_dir", str(tmp_path), "--candidate_types", "Q8_0", "Q4_0",
+            "--compression_ratio", "0.6", "--seq_len", "64"]
+    def host(mem, prefix):
+        return next(t.bytes for t in mem.host if t.name.startswith(prefix))
+
+    f32 = host(_mem(base), "student + teacher, float32 (shared)")
+    assert host(_mem(base + ["--dtype", "bfloat16"]), "student float32 + teacher cast") == pytest.approx(f32 * 1.5)
+    assert host(_mem(base + ["--teacher_quant", "Q8_0"]), "student + teacher, float32 (deep copy)") == pytest.approx(2 * f32)
 
 
 def test_reference_recipe_plans_from_a_config_alone():

@@ -15,7 +15,7 @@ from ..menus import DEFAULT_CANDIDATES, MenuConfig, parse_upgrades
 
 DTYPES = ("float32", "bfloat16", "float16")
 METHODS = ("gates", "sensitivity")
-SENSITIVITY_KINDS = ("fisher", "output")
+SENSITIVITY_KINDS = ("fisher", "output", "measured")
 # The llama-quantize recipes the guarantee compares with (those that fit the budget; recipes.py).
 STOCK_REFERENCES = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "Q2_K_S", "Q2_K", "IQ3_XXS", "IQ3_XS",
                     "IQ3_S", "IQ3_M", "Q3_K_S", "Q3_K_M", "Q3_K_L", "IQ4_NL", "IQ4_XS", "Q4_0", "Q4_1", "Q4_K_S",
@@ -89,7 +89,7 @@ class TrainConfig:
     warm_start: bool = True  # gates start concentrated on the sensitivity knapsack's layout
     warm_start_mass: float = 0.9  # probability of the layout's rung at step 0
     sensitivity_sequences: int = 4  # calibration sequences for the sensitivity table
-    sensitivity_kind: str = "fisher"  # "fisher" (ΔKL from the Fisher diagonal) or "output" (own output error)
+    sensitivity_kind: str = "fisher"  # "fisher" (ΔKL from the Fisher diagonal), "output" (own output error), "measured" (ΔKL measured per rung)
     relaxation_gap: bool = False  # add the expected one-hot KL's variance term to the loss (relaxation.py)
     polish: bool = True  # knapsack polish of the baked assignment inside the dead zone
     loss_chunk_size: int = 1024  # tokens per LM-head chunk of the losses (0: whole logits); 1024 fits the 27B TP-4 recipe
@@ -161,6 +161,9 @@ class TrainConfig:
             raise ConfigError(f"--search_margin must be a number >= 0, got {self.search_margin!r}")
         if self.sensitivity_kind not in SENSITIVITY_KINDS:
             raise ConfigError(f"--sensitivity_kind must be one of {', '.join(SENSITIVITY_KINDS)}, got {self.sensitivity_kind!r}")
+        if self.sensitivity_kind == "measured" and self.tensor_parallel > 1:
+            raise ConfigError("--sensitivity_kind measured runs the whole model in one process: "
+                              "under --tensor_parallel use --sensitivity_kind fisher")
         if not 0.0 <= self.st_gumbel_fraction <= 1.0:
             raise ConfigError(f"--st_gumbel_fraction must be in [0, 1], got {self.st_gumbel_fraction}")
         if not self.st_gumbel_tau > 0:

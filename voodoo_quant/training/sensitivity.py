@@ -249,8 +249,8 @@ def ensure_table(cfg, base: nn.Module, plans: Sequence, vectors, tokens: torch.T
     """The run's sensitivity table of ``--sensitivity_kind``: reused from
     ``<output_dir>/sensitivity.pt`` when it was made from the same inputs, else computed from the
     float `base` (before the gates replace its weights) on the first ``--sensitivity_sequences``
-    sequences, and saved there. ``fisher`` (downstream-aware, ``fisher.py``) or ``output`` (each
-    tensor's own output error, above)."""
+    sequences, and saved there. ``fisher`` (downstream-aware, ``fisher.py``), ``output`` (each
+    tensor's own output error, above) or ``measured`` (every rung's ΔKL measured, ``measured.py``)."""
     from ..provenance import model_weights_sha256
     from . import layerwise
     from .fisher import curvature_table, fisher_diagonal
@@ -268,7 +268,7 @@ def ensure_table(cfg, base: nn.Module, plans: Sequence, vectors, tokens: torch.T
         return Sensitivity(stored[0], stored[1], path=path, key=key)
     streamed = layerwise.applies(base)  # a skeleton: one decoder layer at a time (layerwise.py)
     if streamed and kind != "fisher":
-        raise ValueError("the output-error table reads the loaded model (training/setup.py sensitivity_model)")
+        raise ValueError(f"the {kind} table reads the loaded model (training/setup.py sensitivity_model)")
     weights = reader_weights(base, plans)
     sources = candidate_sources(plans, weights, vectors or {}, progress=progress)  # the cache training reads too
 
@@ -284,6 +284,10 @@ def ensure_table(cfg, base: nn.Module, plans: Sequence, vectors, tokens: torch.T
             curv = curvature_table(plans, weights, fish, blobs_for)
     if kind == "fisher":
         table = {n: [c["m"][k][k] for k in range(len(c["types"]))] for n, c in curv.items()}
+    elif kind == "measured":
+        from .measured import measured_table
+
+        table = measured_table(base, plans, sources, calib, device=device, progress=progress)
     else:
         table = compute_table(base, plans, weights, sources, calib, device=device)
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
