@@ -2,7 +2,7 @@
 
 For each size a random Qwen3.5-shaped checkpoint (hybrid Gated DeltaNet + full attention) is saved
 to a temp dir with a random tokens file; `voodoo train` runs a few steps in a child process that
-reports its own peak RSS (``ru_maxrss``) at exit, and :func:`voodoo_quant.memory.dry_run` predicts
+reports its own peak RSS (``VmHWM``) at exit, and :func:`voodoo_quant.memory.dry_run` predicts
 the same run's CPU peak from the config alone. On CPU device memory and host memory are one RAM,
 so the prediction compared is :attr:`MemoryPlan.cpu_peak`. Printed: predicted, measured, error.
 
@@ -34,7 +34,12 @@ except SystemExit as e:
     if e.code not in (0, None):
         raise
 finally:
-    print("PEAK_RSS", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, flush=True)
+    # VmHWM: this address space's own high-water mark. ru_maxrss would report at least the RSS
+    # this bench's process had when it forked the child (Linux keeps it across execve), and this
+    # process builds the models in memory.
+    hwm = [ln for ln in open("/proc/self/status") if ln.startswith("VmHWM:")]
+    print("PEAK_RSS", int(hwm[0].split()[1]) * 1024 if hwm else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+          flush=True)
 """
 
 
