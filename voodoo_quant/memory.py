@@ -261,12 +261,11 @@ def plan_memory(cfg, model: nn.Module, plans: Sequence, *, adapter=None, tp_plan
         mp.host.append(Term("student small weights (float32, whole)", sum(
             p.numel() for n, p in model.named_parameters() if n not in planned) * 4))
     else:
-        if q8 or world > 1:
+        if q8 or world > 1:  # training/setup.py load_models: deep copy, else float_teacher
             mp.host.append(Term("student + teacher, float32 (deep copy)", 2 * full * 4, "loaded whole on one device"))
-        elif db == 4:
-            mp.host.append(Term("student + teacher, float32 (shared)", full * 4, "loaded whole, one copy for both"))
         else:
-            mp.host.append(Term("student float32 + teacher cast from it", full * (4 + db), "loaded whole"))
+            mp.host.append(Term("student + teacher, float32 (shared)" if db == 4 else "student float32 + teacher cast from it",
+                                full * (4 + (db if db != 4 else 0)), "loaded whole"))
         if q8 and cfg.lazy:  # teacher_q8.py: the blocks exist before the float copy is dropped
             mp.host.append(Term("teacher Q8_0 blocks (packed at load)", sum(sel.values()) * 34 / 32))
         mp.host.append(Term("one tensor's candidate bytes", sum(max(p.sizes) for p in plans[:1]) * 2))
@@ -315,8 +314,7 @@ def _sensitivity_term(cfg, model: nn.Module, plans: Sequence, full: int, world: 
     if cfg.sensitivity_kind == "measured":  # training/measured.py: HeldAside's caches beside the model
         from .training.objective import PREFIX_CACHE_BYTES, TEACHER_CACHE_BYTES
 
-        vocab = int(getattr(getattr(model, "config", None), "vocab_size", 0) or 0)
-        tokens = seqs * cfg.seq_len
+        tokens, vocab = seqs * cfg.seq_len, int(getattr(getattr(model, "config", None), "vocab_size", 0) or 0)
         logp = tokens * vocab * 4 if tokens * vocab * 4 <= TEACHER_CACHE_BYTES else tokens * hidden * 4
         prefix = n_layers * tokens * hidden * 4 if n_layers * tokens * hidden * 4 <= PREFIX_CACHE_BYTES else 0
         if str(cfg.device) == "cpu":

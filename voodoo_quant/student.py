@@ -80,6 +80,11 @@ class TensorPlan:
     def n_per_row(self) -> int:
         return self.layout.n_per_row
 
+    def dequantize(self, blob: bytes, qtype: str) -> torch.Tensor:
+        """The float32 weight (HF layout) that a rung's ggml bytes dequantize to, by libggml-base."""
+        deq = ggml.lib().dequantize(blob, qtype, (self.rows, self.n_per_row), name=self.name)
+        return self.layout.from_gguf(torch.from_numpy(deq))
+
 
 def selectable_weights(model: nn.Module) -> dict[str, tuple[nn.Parameter, list[str]]]:
     """name -> (weight, [module names]) for every 2-D Linear/Embedding weight, tied ones once."""
@@ -434,12 +439,7 @@ def build_mixed(
         return MixedQuant(plan.name, plan.menu.types, plan.sizes, cands_fn, cands_fn.shape, dtype=dtype,
                           init_logits=init_logits, device=device)
     if shard is not None:
-        lib = ggml.lib()
-        dense = [
-            shard.take(plan.layout.from_gguf(torch.from_numpy(lib.dequantize(b, t, (plan.rows, plan.n_per_row), name=plan.name))),
-                       rank, world)
-            for b, t in zip(blobs, plan.menu.types)
-        ]
+        dense = [shard.take(plan.dequantize(b, t), rank, world) for b, t in zip(blobs, plan.menu.types)]
         cands = torch.stack(dense).to(device=device, dtype=dtype)
         return MixedQuant(plan.name, plan.menu.types, plan.sizes, cands, tuple(dense[0].shape), dtype=dtype,
                           init_logits=init_logits, device=device)
@@ -447,11 +447,7 @@ def build_mixed(
         packed = [torch.frombuffer(bytearray(b), dtype=torch.uint8).to(device) for b in blobs]
         cands: torch.Tensor | PackedCandidates = PackedCandidates(plan, packed, dtype)
     else:
-        lib = ggml.lib()
-        dense = [
-            plan.layout.from_gguf(torch.from_numpy(lib.dequantize(b, t, (plan.rows, plan.n_per_row), name=plan.name)))
-            for b, t in zip(blobs, plan.menu.types)
-        ]
+        dense = [plan.dequantize(b, t) for b, t in zip(blobs, plan.menu.types)]
         cands = torch.stack(dense).to(device=device, dtype=dtype)
     return MixedQuant(plan.name, plan.menu.types, plan.sizes, cands, plan.shape, dtype=dtype, init_logits=init_logits,
                       device=device)

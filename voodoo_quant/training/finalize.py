@@ -10,7 +10,6 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from .. import ggml
 from ..menus import is_pinned
 from .guarantee import Candidate, pin
 from .objective import HeldAside, TPHeldAside
@@ -36,8 +35,7 @@ class Outcome:
 
 def _extra_weights(plan, blobs: Mapping[str, bytes], device: torch.device) -> Callable[[str], torch.Tensor]:
     def make(qtype: str) -> torch.Tensor:
-        m = ggml.lib().dequantize(blobs[qtype], qtype, (plan.rows, plan.n_per_row), name=plan.name)
-        return plan.layout.from_gguf(torch.from_numpy(m)).to(device)
+        return plan.dequantize(blobs[qtype], qtype).to(device)
     return make
 
 

@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .. import ggml
+
 
 
 class FisherHooks:
@@ -130,14 +130,12 @@ def fisher_diagonal(model: nn.Module, plans: Sequence, tokens: torch.Tensor, *, 
 
 def curvature(plan, weight: torch.Tensor, fisher: torch.Tensor, blobs: Mapping[str, bytes]) -> tuple[list[str], np.ndarray]:
     """(types, M) with ``M[j][k] = ½ Σ F ⊙ (W_j − W) ⊙ (W_k − W)`` over `blobs` (type -> ggml bytes)."""
-    lib = ggml.lib()
     w = weight.detach().float().cpu()
     sf = fisher.detach().float().cpu().sqrt().reshape(-1)
     types = list(blobs)
     wqs = []  # every rung dequantized (float32, the weight's layout); the errors are formed a chunk at a time
     for t in types:
-        deq = lib.dequantize(blobs[t], t, (plan.rows, plan.n_per_row), name=plan.name)
-        wqs.append(plan.layout.from_gguf(torch.from_numpy(deq)).reshape(w.shape).reshape(-1))
+        wqs.append(plan.dequantize(blobs[t], t).reshape(w.shape).reshape(-1))
     w = w.reshape(-1)
     m = torch.zeros(len(types), len(types), dtype=torch.float64)
     for lo in range(0, w.numel(), 1 << 20):  # float32 errors, their products summed in float64

@@ -21,7 +21,6 @@ from typing import Callable, Mapping, Sequence
 import torch
 import torch.nn as nn
 
-from .. import ggml
 from ..errors import ConfigError
 from .objective import HeldAside, layer_of
 
@@ -53,7 +52,6 @@ def measured_table(model: nn.Module, plans: Sequence, blobs_for: Callable, token
     home = next(model.parameters()).device
     dev = torch.device(device) if device is not None else home
     modules = dict(model.named_modules())
-    lib = ggml.lib()
     table: dict[str, list[float]] = {}
     bar = _Bar(len(plans), progress)
     try:
@@ -68,8 +66,7 @@ def measured_table(model: nn.Module, plans: Sequence, blobs_for: Callable, token
                 row = []
                 try:
                     for t, blob in zip(p.menu.types, blobs_for(p)):
-                        deq = lib.dequantize(blob, t, (p.rows, p.n_per_row), name=p.name)
-                        wq = p.layout.from_gguf(torch.from_numpy(deq)).reshape(params[0].shape)
+                        wq = p.dequantize(blob, t).reshape(params[0].shape)
                         for w in params:
                             w.copy_(wq.to(device=w.device, dtype=w.dtype))
                         row.append(held.measure(from_layer=_first_layer(p)).kl)

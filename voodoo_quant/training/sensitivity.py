@@ -25,7 +25,7 @@ from typing import Mapping, Sequence
 import torch
 import torch.nn as nn
 
-from .. import fileio, ggml
+from .. import fileio
 
 log = logging.getLogger(__name__)
 
@@ -135,14 +135,12 @@ def _stats_device(plan, stats: _Stats) -> torch.device:
 
 def tensor_sensitivities(plan, weight: torch.Tensor, blobs: Sequence[bytes], stats: _Stats) -> list[float]:
     """s(t, q) for every rung of `plan`'s menu, from the rung's ggml bytes."""
-    lib = ggml.lib()
     dev = _stats_device(plan, stats)
     w = weight.detach().to(device=dev, dtype=torch.float32)
     den = sum(_output_energy(w, m, stats) for m in plan.modules)
     out = []
     for qtype, blob in zip(plan.menu.types, blobs):
-        deq = lib.dequantize(blob, qtype, (plan.rows, plan.n_per_row), name=plan.name)
-        wq = plan.layout.from_gguf(torch.from_numpy(deq)).to(device=dev, dtype=torch.float32).reshape(w.shape)
+        wq = plan.dequantize(blob, qtype).to(device=dev, dtype=torch.float32).reshape(w.shape)
         num = sum(_output_energy(wq - w, m, stats) for m in plan.modules)
         out.append(num / den if den > 0 else 0.0)
     return out

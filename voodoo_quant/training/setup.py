@@ -95,10 +95,11 @@ def load_models(cfg: TrainConfig, dtype: torch.dtype, *, sharded: bool = False) 
 
 def float_teacher(base: nn.Module, dtype: torch.dtype) -> nn.Module:
     """The float teacher without a second float32 copy of the model: a structural copy of `base`
-    whose floating tensors are `base`'s own in float32 (shared, read-only for both: the student's
-    are replaced by candidates and own copies in :func:`build_student`, never written in place) or
-    cast straight to `dtype`. Not for a teacher whose weights are then changed in place (Q8_0,
-    a teacher checkpoint) or split in place (tensor parallelism loaded whole): those deep-copy."""
+    whose floating tensors are `base`'s own in float32 (shared: :func:`build_student` replaces the
+    student's by candidates and own copies rather than writing them; the measured sensitivity pass
+    writes rungs in place before training and puts every weight back bit for bit) or cast straight
+    to `dtype`. Not for a teacher whose weights are then changed in place (Q8_0, a teacher
+    checkpoint) or split in place (tensor parallelism loaded whole): those deep-copy."""
     memo = {}
     for t in list(base.parameters()) + list(base.buffers()):
         if id(t) in memo:
