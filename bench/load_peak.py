@@ -23,7 +23,7 @@ _CHILD = """
 import copy, sys, torch
 from voodoo_quant.modeling import load_model
 from voodoo_quant.training.config import TrainConfig
-from voodoo_quant.training.setup import TORCH_DTYPES, load_models
+from voodoo_quant.training.models import TORCH_DTYPES, load_models
 d, dtype, how = sys.argv[1], sys.argv[2], sys.argv[3]
 dt = TORCH_DTYPES[dtype]
 if how == "shared":

@@ -4,7 +4,7 @@ A random Qwen3.5-shaped checkpoint (hidden 2048 by default) is saved with ``save
 two torchrun ranks then prepare a ``--lazy`` run and train one step, once with sharded loading
 (skeleton + sliced reads, the default under TP) and once with the whole-model path every rank
 took before (load the float32 model, deep-copy the teacher, split both), forced by disabling
-``training.setup.can_load_sharded`` in the ranks. Each rank reports ``ru_maxrss`` after
+``training.models.can_load_sharded`` in the ranks. Each rank reports ``ru_maxrss`` after
 ``prepare()`` (loading, candidates, split) and after the step (on CPU the training state lives in
 the same RAM). Printed per rank, with the sharded / whole ratio.
 
@@ -47,13 +47,13 @@ def rank_main(d: Path, out: Path, mode: str, seq: int, dtype: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from voodoo_quant.training import setup
+    from voodoo_quant.training import models
     from voodoo_quant.training.config import TrainConfig
     from voodoo_quant.training.trainer import Trainer
 
     torch.set_num_threads(1)
     if mode == "whole":
-        setup.can_load_sharded = lambda cfg: False  # the whole-model path every rank took before
+        models.can_load_sharded = lambda cfg: False  # the whole-model path every rank took before
     if mode == "loaded":  # the sensitivity pass on the float32 model loaded whole on rank 0 (before layerwise.py)
         from voodoo_quant.training import trainer
 

@@ -86,7 +86,7 @@ def test_lazy_single_process_run_reads_one_tensor_at_a_time_and_writes_the_same_
     read a tensor at a time, the Fisher table and the search's curvature are streamed layer by
     layer. Everything it measures and writes equals the run that loads the float32 model whole."""
     from voodoo_quant import modeling
-    from voodoo_quant.training import setup
+    from voodoo_quant.training import models
     from voodoo_quant.training.trainer import Trainer
 
     d = tp_models[arch]
@@ -96,7 +96,7 @@ def test_lazy_single_process_run_reads_one_tensor_at_a_time_and_writes_the_same_
     monkeypatch.setattr(modeling, "load_model", lambda *a, **k: loads.append(a) or real(*a, **k))
     streamed = Trainer(tp_case.config(d, tmp_path / "streamed", 1, **kw)).train()
     assert loads == []  # never loaded whole
-    monkeypatch.setattr(setup, "can_load_sharded", lambda cfg: False)  # the whole-model path
+    monkeypatch.setattr(models, "can_load_sharded", lambda cfg: False)  # the whole-model path
     whole = Trainer(tp_case.config(d, tmp_path / "whole", 1, **kw)).train()
     assert loads
     assert [(h.ce, h.kl, h.expected_bytes) for h in streamed.history] == [(h.ce, h.kl, h.expected_bytes) for h in whole.history]

@@ -109,7 +109,8 @@ def test_vocabulary_shards_are_mixed_by_rows(tmp_path_factory, ggml_lib):
 
     from voodoo_quant.parallel import plan_tp
     from voodoo_quant.student import ShardedPacked
-    from voodoo_quant.training.setup import load_models, plan_run
+    from voodoo_quant.training.models import load_models
+    from voodoo_quant.training.setup import plan_run
 
     d = build_models(tmp_path_factory.mktemp("chunks"), ("qwen3",))["qwen3"]
     cfg = config(d, d / "unused", 2)

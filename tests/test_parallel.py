@@ -28,7 +28,8 @@ def tp_models(tmp_path_factory):
 
 
 def _plans(d, tp=1, **kw):
-    from voodoo_quant.training.setup import load_models, plan_run
+    from voodoo_quant.training.models import load_models
+    from voodoo_quant.training.setup import plan_run
 
     cfg = tp_case.config(d, d / "unused", tp, **kw)
     base, _ = load_models(cfg, torch.float32)

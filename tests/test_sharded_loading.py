@@ -75,7 +75,8 @@ def test_reader_shards_equal_slices_of_the_whole_tensor(qwen35_dir):
 
 @pytest.mark.parametrize("arch,teacher_quant,dtype", [("qwen3_5", "Q8_0", "bfloat16"), ("qwen3", None, "float32")])
 def test_sharded_teacher_equals_the_split_whole_teacher(qwen35_dir, tmp_path, arch, teacher_quant, dtype, ggml_lib):
-    from voodoo_quant.training.setup import TORCH_DTYPES, load_models, plan_run, shard_teacher
+    from voodoo_quant.training.models import TORCH_DTYPES, load_models, shard_teacher
+    from voodoo_quant.training.setup import plan_run
 
     cfg = _cfg(qwen35_dir[arch], tmp_path, teacher_quant=teacher_quant, dtype=dtype)
     for rank in range(2):
@@ -99,7 +100,8 @@ def test_sharded_teacher_equals_the_split_whole_teacher(qwen35_dir, tmp_path, ar
 @pytest.mark.parametrize("lazy", [False, True])
 def test_sharded_student_candidates_are_byte_exact(qwen35_dir, tmp_path, lazy, ggml_lib):
     from voodoo_quant.arch import adapter_for
-    from voodoo_quant.training.setup import build_student, load_models, plan_run
+    from voodoo_quant.training.models import load_models
+    from voodoo_quant.training.setup import build_student, plan_run
 
     cfg = _cfg(qwen35_dir["qwen3_5"], tmp_path, lazy=lazy)
     for rank in range(2):
@@ -136,7 +138,8 @@ def test_a_float_teacher_loaded_whole_shares_the_base_float32_weights_and_surviv
     cast straight from them, not a second float32 model; building the student (which drops and
     replaces the base's weights) leaves the teacher equal, bit for bit, to a model loaded apart."""
     from voodoo_quant.modeling import load_model
-    from voodoo_quant.training.setup import TORCH_DTYPES, build_student, load_models, plan_run
+    from voodoo_quant.training.models import TORCH_DTYPES, load_models
+    from voodoo_quant.training.setup import build_student, plan_run
 
     d = qwen35_dir["qwen3"]
     cfg = _cfg(d, tmp_path, tensor_parallel=1, dtype=dtype)
@@ -164,7 +167,7 @@ def test_a_float_teacher_loaded_whole_shares_the_base_float32_weights_and_surviv
 def test_a_q8_teacher_loaded_whole_is_its_own_copy(qwen35_dir, tmp_path, ggml_lib):
     """A teacher changed in place (Q8_0 round trip) must not change the base it was copied from."""
     from voodoo_quant.modeling import load_model
-    from voodoo_quant.training.setup import load_models
+    from voodoo_quant.training.models import load_models
 
     cfg = _cfg(qwen35_dir["qwen3"], tmp_path, tensor_parallel=1, teacher_quant="Q8_0")
     base, teacher = load_models(cfg, torch.float32)

@@ -49,7 +49,7 @@ def _dense_weights(model):
 @pytest.mark.parametrize("source", ["teacher_quant", "checkpoint"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_packed_teacher_logits_equal_the_dense_teacher(models, tmp_path, arch, source, dtype, ggml_lib):
-    from voodoo_quant.training.setup import TORCH_DTYPES, load_models
+    from voodoo_quant.training.models import TORCH_DTYPES, load_models
 
     d = models[arch]
     kw = {"teacher_quant": "Q8_0"} if source == "teacher_quant" else {
@@ -78,7 +78,8 @@ def test_packed_teacher_logits_equal_the_dense_teacher(models, tmp_path, arch, s
 def test_sharded_packed_teacher_equals_the_dense_shards(models, tmp_path, arch, source, ggml_lib):
     from voodoo_quant.arch import adapter_for
     from voodoo_quant.parallel import TPContext, plan_tp
-    from voodoo_quant.training.setup import load_models, plan_run, shard_teacher
+    from voodoo_quant.training.models import load_models, shard_teacher
+    from voodoo_quant.training.setup import plan_run
 
     d = models[arch]
     kw = {"teacher_quant": "Q8_0"} if source == "teacher_quant" else {

@@ -261,7 +261,7 @@ def plan_memory(cfg, model: nn.Module, plans: Sequence, *, adapter=None, tp_plan
         mp.host.append(Term("student small weights (float32, whole)", sum(
             p.numel() for n, p in model.named_parameters() if n not in planned) * 4))
     else:
-        if q8 or world > 1:  # training/setup.py load_models: deep copy, else float_teacher
+        if q8 or world > 1:  # training/models.py load_models: deep copy, else float_teacher
             mp.host.append(Term("student + teacher, float32 (deep copy)", 2 * full * 4, "loaded whole on one device"))
         else:
             mp.host.append(Term("student + teacher, float32 (shared)" if db == 4 else "student float32 + teacher cast from it",
@@ -283,7 +283,7 @@ def plan_memory(cfg, model: nn.Module, plans: Sequence, *, adapter=None, tp_plan
 
 def _reads_by_name(model: str) -> bool:
     """Whether a training run can build `model` as a skeleton and read its tensors by name
-    (training/setup.py ``can_load_sharded``: a directory of safetensors; a config-only directory,
+    (training/models.py ``can_load_sharded``: a directory of safetensors; a config-only directory,
     as the dry run plans from, is taken to be one). A GGUF or a ``.bin`` checkpoint loads whole."""
     src = Path(model)
     if not src.is_dir():

@@ -42,11 +42,11 @@ def compute(cfg: ImatrixConfig):
     from .. import fileio, imatrix
     from ..layout import find_layout, model_layouts
     from ..modeling import load_model
-    from ..training.setup import _load_into
+    from ..training.models import load_into
 
     model = load_model(cfg.model, text_model_class=cfg.text_model_class, dtype=torch.float32)
     if cfg.base_checkpoint:
-        _load_into(model, cfg.base_checkpoint, "base checkpoint")
+        load_into(model, cfg.base_checkpoint, "base checkpoint")
     tokens = fileio.torch_load(cfg.tokens, what="tokens file")
     if isinstance(tokens, dict):
         tokens = tokens.get("input_ids", tokens.get("tokens"))

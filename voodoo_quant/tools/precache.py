@@ -60,7 +60,8 @@ def precache(cfg: PrecacheConfig, *, progress: bool = True):
     from ..cache import CandidateCache
     from ..precache import build_all, job_cost, parse_shard, split_by_cost
     from ..student import converter_layouts, plan_model, selectable_weights
-    from ..training.setup import _ReaderWeights, _jobs, _load_into, imatrix_vectors
+    from ..training.models import load_into
+    from ..training.setup import _ReaderWeights, _jobs, imatrix_vectors
 
     from pathlib import Path
 
@@ -74,7 +75,7 @@ def precache(cfg: PrecacheConfig, *, progress: bool = True):
 
         model = load_model(cfg.model, text_model_class=cfg.text_model_class, dtype=torch.float32)
         if cfg.base_checkpoint:
-            _load_into(model, cfg.base_checkpoint, "base checkpoint")
+            load_into(model, cfg.base_checkpoint, "base checkpoint")
         reader = None
     imx = None
     if cfg.imatrix:

@@ -266,7 +266,7 @@ def ensure_table(cfg, base: nn.Module, plans: Sequence, vectors, tokens: torch.T
         return Sensitivity(stored[0], stored[1], path=path, key=key)
     streamed = layerwise.applies(base)  # a skeleton: one decoder layer at a time (layerwise.py)
     if streamed and kind != "fisher":
-        raise ValueError(f"the {kind} table reads the loaded model (training/setup.py sensitivity_model)")
+        raise ValueError(f"the {kind} table reads the loaded model (training/models.py sensitivity_model)")
     weights = reader_weights(base, plans)
     sources = candidate_sources(plans, weights, vectors or {}, progress=progress)  # the cache training reads too
 

@@ -31,9 +31,9 @@ from .bake import BakeResult, bake
 from .losses import distill_terms
 from .config import TrainConfig
 from .schedule import batch_indices, tau_at
+from .models import TORCH_DTYPES, load_models, sensitivity_model, shard_teacher
 from .setup import (
-    TORCH_DTYPES, RunSetup, plan_shard, build_student, hold_aside, imatrix_vectors, load_imatrix, load_models, load_tokens,
-    plan_run, sensitivity_model, shard_teacher, tiny,
+    RunSetup, build_student, hold_aside, imatrix_vectors, load_imatrix, load_tokens, plan_run, plan_shard, tiny,
 )
 
 log = logging.getLogger(__name__)
@@ -101,7 +101,7 @@ class Trainer:
         need_tokens = build or cfg.needs_sensitivity
         tokens = load_tokens(cfg.data_path, cfg.seq_len) if need_tokens else torch.empty(0, 0, dtype=torch.long)
         # a tensor-parallel rank reads only its shards, and --lazy reads one tensor at a time
-        # (training/setup.py load_models): the float model is never held whole
+        # (training/models.py load_models): the float model is never held whole
         base, teacher = load_models(cfg, dtype, sharded=(tp is not None or cfg.lazy) and build and cfg.method == "gates")
         if build:
             check_vocab(tokens, base, cfg.data_path)
