@@ -105,7 +105,10 @@ def test_the_sensitivity_pass_is_planned_where_it_runs(gate_model_dir, tmp_path)
     assert "one full tensor in flight (float32)" in names and not any(n.startswith("student + teacher") for n in names)
     assert lazy.host_total < one.host_total
     assert _sens(dry_run(parse_train_flags(base + ["--tensor_parallel", "2", "--no_warm_start", "--no_polish",
-                                                   "--no_guarantee"]), world=2).memory) == []
+                                                   "--no_guarantee", "--search_evals", "0"]), world=2).memory) == []
+    # the search alone reads the table's curvature, under TP too
+    assert _sens(dry_run(parse_train_flags(base + ["--tensor_parallel", "2", "--no_warm_start", "--no_polish",
+                                                   "--no_guarantee"]), world=2).memory)
     # the measured kind: the teacher log-probs and layer outputs HeldAside keeps (vocab 512, 4 x 64
     # tokens, 2 layers x 256 wide, float32), beside the loaded model
     (meas,) = _sens(_mem(base + ["--sensitivity_kind", "measured"]))

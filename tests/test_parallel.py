@@ -206,13 +206,73 @@ def test_tp2_guarantee_measures_what_one_process_measures(tp_models, tmp_path):
 
 
 @pytest.mark.slow
+def test_tp2_held_aside_objective_and_probe_equal_one_process(tp_models, tmp_path):
+    """The search's two measurements under TP: the held-aside KL (teacher hidden states kept,
+    prefix replay on) and the probe's first-order ΔKL of every one-rung move (split tensors' inner
+    products summed over the ranks) equal the single process's, to float summation order; the
+    replayed measurement equals the full one; both ranks hold the very same numbers."""
+    cases = ["llama:probe", "qwen3:probe", "qwen3_5:probe", "lfm2:probe"]
+    root = Path(next(iter(tp_models.values()))).parent
+    _torchrun([str(ROOT / "tests" / "helpers" / "tp_case.py"), str(root), str(tmp_path / "tp"), *cases], tmp_path)
+    ranks = [torch.load(tmp_path / "tp" / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    torch.set_num_threads(1)
+    for case in cases:
+        arch = case.split(":")[0]
+        ref = tp_case.probe_case(tp_models[arch], tmp_path / "one" / arch, 1)
+        assert repr(ranks[0][case]) == repr(ranks[1][case]), case  # the same numbers on every rank (NaN marks too)
+        got = ranks[0][case]
+        assert got["prefix"] and got["cached_teacher"], case
+        assert got["kl"] == pytest.approx(ref["kl"], rel=1e-4), case
+        assert got["replayed"] == got["full"], case  # the replay is exact under TP too
+        assert got["full"] == pytest.approx(ref["full"], rel=1e-4), case
+        assert set(got["probe"]) == set(ref["probe"])
+        scale = max(abs(v) for row in ref["probe"].values() for v in row if v == v)
+        assert scale > 0
+        for n, row in ref["probe"].items():
+            g = got["probe"][n]
+            assert [v != v for v in g] == [v != v for v in row], (case, n)  # the same rungs probed
+            for a, b in zip(g, row):
+                if b == b:
+                    assert a == pytest.approx(b, rel=1e-4, abs=1e-6 * scale), (case, n, g, row)
+
+
+@pytest.mark.slow
+def test_tp2_search_runs_on_every_rank_and_takes_the_single_process_moves(tp_models, tmp_path):
+    """Under TP the final search runs: every rank takes the same moves and
+    writes the same assignment, each kept move lowered the measured KL, and the moves, the
+    written assignment and the KLs are the single process's."""
+    cases = ["llama:search", "qwen3_5:search"]
+    root = Path(next(iter(tp_models.values()))).parent
+    _torchrun([str(ROOT / "tests" / "helpers" / "tp_case.py"), str(root), str(tmp_path / "tp"), *cases], tmp_path)
+    ranks = [torch.load(tmp_path / "tp" / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    torch.set_num_threads(1)
+    kept = 0
+    for case in cases:
+        arch = case.split(":")[0]
+        assert ranks[0][case]["guarantee"] == ranks[1][case]["guarantee"], case
+        assert ranks[0][case]["written"] == ranks[1][case]["written"], case
+        s = ranks[0][case]["guarantee"]["search"]
+        assert s is not None and 0 < s["evals"] <= tp_case.SEARCH["search_evals"] and s["probes"] >= 1, case
+        assert all(mv["kl_after"] < mv["kl_before"] for mv in s["moves"]), case
+        kept += len(s["moves"])
+        assert s["final_kl"] <= s["start_kl"]
+        ref = tp_case.run_case(tp_models[arch], tmp_path / "one" / arch, 1, **tp_case.SEARCH)
+        one = ref["guarantee"]["search"]
+        assert [mv["changes"] for mv in s["moves"]] == [mv["changes"] for mv in one["moves"]], case
+        assert ranks[0][case]["written"] == ref["written"], case
+        assert s["final_kl"] == pytest.approx(one["final_kl"], rel=1e-4), case
+        assert (s["evals"], s["probes"]) == (one["evals"], one["probes"]), case
+    assert kept > 0  # the search moved something (llama: a pair), so the moves compared are not empty
+
+
+@pytest.mark.slow
 def test_voodoo_tp_cli_runs_the_ranks_and_writes_the_single_process_assignment(tp_models, tmp_path):
     import json
 
     d = tp_models["lfm2"]
     flags = ["--model", str(d / "model"), "--data_dir", str(d / "data"), "--seq_len", "32", "--batch_size", "2",
              "--max_steps", "3", "--compression_ratio", "0.62", "--candidate_types", *tp_case.MENU,
-             "--loss_chunk_size", "24", "--no_guarantee"]  # the bake on both sides (the guarantee: the test above)
+             "--loss_chunk_size", "24", "--no_guarantee", "--search_evals", "0"]  # the bake on both sides
     env = dict(os.environ, OMP_NUM_THREADS="1", VOODOO_QUANT_WORKERS="1")
     p = subprocess.run([str(Path(sys.executable).with_name("voodoo")), "tp", "--nproc", "2", "--", *flags,
                         "--output_dir", str(tmp_path / "tp")], capture_output=True, text=True, env=env, timeout=900)
@@ -226,8 +286,8 @@ def test_voodoo_tp_cli_runs_the_ranks_and_writes_the_single_process_assignment(t
 @pytest.mark.slow
 def test_voodoo_tp_cli_with_the_defaults_reports_the_guarantee_it_measured(tp_models, tmp_path):
     """The recipe's path: `voodoo tp` with the guarantee and search at their defaults. Rank 0
-    prints the measured candidates and says the search does not run under TP; the assignment
-    records the winner, which is the lowest measured KL."""
+    prints the measured candidates and the search, rank 0 alone writes the search's journal, and
+    the assignment records the winner, which is the lowest measured KL."""
     import json
 
     d = tp_models["llama"]
@@ -239,11 +299,40 @@ def test_voodoo_tp_cli_with_the_defaults_reports_the_guarantee_it_measured(tp_mo
                         "--output_dir", str(tmp_path / "tp")], capture_output=True, text=True, env=env, timeout=900)
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     assert "never worse: measured on held-aside calibration sequences" in p.stdout
-    assert "search: not run under tensor parallelism" in p.stdout
+    assert "search: " in p.stdout and "evaluation(s)" in p.stdout
     g = json.loads((tmp_path / "tp" / "assignment.json").read_text())["meta"]["guarantee"]
     names = {c["name"] for c in g["candidates"]}
-    assert {"gates", "gates+polish", "knapsack"} <= names and g["search"] is None
+    assert {"gates", "gates+polish", "knapsack"} <= names
     assert g["winner"] == min(g["candidates"], key=lambda c: (c["kl"], c["bytes"], c["name"]))["name"]
+    assert g["search"]["evals"] > 0 and g["final_kl"] == g["search"]["final_kl"] <= g["search"]["start_kl"]
+    journal = json.loads((tmp_path / "tp" / "search.json").read_text())
+    assert journal["evals"] == g["search"]["evals"]
+
+
+@pytest.mark.slow
+def test_voodoo_tp_search_killed_mid_way_resumes_on_every_rank(tp_models, tmp_path):
+    """Rank 0 alone writes the search's journal; killed after its third write (the ranks die
+    with it), the same command resumes the search on every rank from that journal (a rank that
+    started over would leave its collectives unmatched, or bake another assignment, and fail)."""
+    import json
+
+    d = tp_models["llama"]
+    flags = ["--model", str(d / "model"), "--data_dir", str(d / "data"), "--seq_len", "32", "--batch_size", "2",
+             "--max_steps", "2", "--compression_ratio", "0.62", "--candidate_types", *tp_case.MENU,
+             "--loss_chunk_size", "24", "--search_sequences", "2", "--search_evals", "8", "--no_guarantee",
+             "--output_dir", str(tmp_path / "tp")]
+    cmd = [str(Path(sys.executable).with_name("voodoo")), "tp", "--nproc", "2", "--", *flags]
+    env = dict(os.environ, OMP_NUM_THREADS="1", VOODOO_QUANT_WORKERS="1")
+    p = subprocess.run(cmd, capture_output=True, text=True, env={**env, "VOODOO_FAULT_AT": "write:search.json:3"},
+                       timeout=900)
+    assert p.returncode != 0 and not (tmp_path / "tp" / "assignment.json").exists()
+    journal = json.loads((tmp_path / "tp" / "search.json").read_text())
+    assert journal["evals"] == 2  # the third write died before its rename
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    s = json.loads((tmp_path / "tp" / "assignment.json").read_text())["meta"]["guarantee"]["search"]
+    assert s["resumed"] and 2 < s["evals"] <= 8
+    assert json.loads((tmp_path / "tp" / "search.json").read_text())["evals"] == s["evals"]
 
 
 def test_voodoo_tp_print_only_applies_the_vendor_defaults(tp_models, tmp_path):

@@ -342,16 +342,18 @@ def test_search_alone_computes_the_table_its_curvature_needs(gate_model_dir, tmp
     assert (tmp_path / "run" / "sensitivity.pt").is_file()
 
 
-def test_tensor_parallel_runs_measure_the_guarantee_but_do_not_search():
-    """Under --tensor_parallel the guarantee runs (its knapsack reference reads the table) and
-    the search does not; without the guarantee, warm start and polish no table is computed."""
+def test_tensor_parallel_runs_measure_the_guarantee_and_search():
+    """Under --tensor_parallel the guarantee and the search run as in one process (their table
+    and curvature computed on rank 0); with neither, nor warm start and polish, no table is computed."""
     k = dict(model="m", data_dir="d", compression_ratio=0.6, warm_start=False, polish=False)
     one = TrainConfig(**k)
     assert one.measures and one.searches and one.needs_sensitivity
     tp = TrainConfig(tensor_parallel=2, **k)
-    assert tp.measures and not tp.searches and tp.needs_sensitivity
-    bare = TrainConfig(tensor_parallel=2, guarantee=False, **k)
-    assert not bare.measures and not bare.needs_sensitivity  # the search alone does not run under TP
-    assert TrainConfig(tensor_parallel=2, guarantee=False, **{**k, "warm_start": True}).needs_sensitivity
-    assert TrainConfig(tensor_parallel=2, guarantee=False, relaxation_gap=True, **k).needs_sensitivity
+    assert tp.measures and tp.searches and tp.needs_sensitivity
+    alone = TrainConfig(tensor_parallel=2, guarantee=False, **k)
+    assert alone.measures and alone.searches and alone.needs_sensitivity  # the search alone
+    bare = TrainConfig(tensor_parallel=2, guarantee=False, search_evals=0, **k)
+    assert not bare.measures and not bare.needs_sensitivity
+    assert TrainConfig(tensor_parallel=2, guarantee=False, search_evals=0, **{**k, "warm_start": True}).needs_sensitivity
+    assert TrainConfig(tensor_parallel=2, guarantee=False, search_evals=0, relaxation_gap=True, **k).needs_sensitivity
     assert not TrainConfig(guarantee=False, search_evals=0, **k).needs_sensitivity

@@ -274,9 +274,8 @@ def plan_memory(cfg, model: nn.Module, plans: Sequence, *, adapter=None, tp_plan
     if cfg.needs_sensitivity:
         mp.host.append(_sensitivity_term(cfg, model, plans, full, world, hidden, n_layers, skeleton))
     if cfg.measures:
-        mp.host.append(Term("post-bake measurements", 0.0, "not modelled (guarantee" + (", search" if world == 1 else "")
-                            + ": objective.py); --no_guarantee" + (" --search_evals 0" if world == 1 else "")
-                            + " skips " + ("them" if world == 1 else "it")))
+        mp.host.append(Term("post-bake measurements", 0.0,
+                            "not modelled (guarantee, search: objective.py); --no_guarantee --search_evals 0 skips them"))
     mp.advice = _advice(cfg, mp, capacity, replan)
     return mp
 
@@ -303,7 +302,7 @@ def _sensitivity_term(cfg, model: nn.Module, plans: Sequence, full: int, world: 
     from .training.layerwise import host_bytes
     from .training.sensitivity import GRAM_BYTES, gram_bytes
 
-    skip = "skipped with --no_warm_start --no_polish --no_guarantee" + ("" if world > 1 else " --search_evals 0")
+    skip = "skipped with --no_warm_start --no_polish --no_guarantee --search_evals 0"
     seqs = cfg.sensitivity_sequences
     who = "rank 0, its own phase" if world > 1 else "its own phase"
     if cfg.sensitivity_kind == "fisher" and skeleton:

@@ -452,15 +452,18 @@ def _tp_chunk(h, w, b, th, tw, tb, tgt, lo: int, tp: TPContext):
 
 
 def tp_distill_terms(student: nn.Module, teacher: nn.Module, ids: torch.Tensor, tp: TPContext, *,
-                     chunk_tokens: int = 0, teacher_device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     chunk_tokens: int = 0, teacher_device: torch.device | None = None,
+                     teacher_hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(CE, KL) of one batch from vocabulary-sharded heads; equal to the single-device
-    :func:`voodoo_quant.training.losses.distill_terms` up to float summation order."""
+    :func:`voodoo_quant.training.losses.distill_terms` up to float summation order.
+    `teacher_hidden`: the teacher's final hidden states of this batch, [tokens − batch, hidden],
+    as :func:`teacher_hidden_states` gives them (kept by the caller: the teacher does not run)."""
     from .training.losses import _hidden
 
     tdev = teacher_device or ids.device
     n_pred = ids.shape[0] * (ids.shape[1] - 1)
     with torch.no_grad():
-        th = _hidden(teacher, ids.to(tdev))[:, :-1].reshape(n_pred, -1)
+        th = teacher_hidden if teacher_hidden is not None else teacher_hidden_states(teacher, ids.to(tdev))
         thead = teacher.get_output_embeddings()
         tw, tb = thead.weight, thead.bias
     h = _hidden(student, ids)[:, :-1].reshape(n_pred, -1)
@@ -476,3 +479,12 @@ def tp_distill_terms(student: nn.Module, teacher: nn.Module, ids: torch.Tensor, 
         ce = ce_c if ce is None else ce + ce_c
         kl = kl_c if kl is None else kl + kl_c
     return ce / n_pred, kl / n_pred
+
+
+def teacher_hidden_states(teacher: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The teacher's final hidden states at every predicting position of `ids`, [n_pred, hidden]
+    (replicated on every rank: the input of its vocabulary-sharded head)."""
+    from .training.losses import _hidden
+
+    with torch.no_grad():
+        return _hidden(teacher, ids)[:, :-1].reshape(ids.shape[0] * (ids.shape[1] - 1), -1)

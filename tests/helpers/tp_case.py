@@ -5,7 +5,9 @@ assignment baked after a short run.
     python -m torch.distributed.run --nproc_per_node 2 tests/helpers/tp_case.py ROOT OUT ARCH...
 
 ROOT holds the models written by `build_models`; each rank writes OUT/rank<r>.pt. A case
-"ARCH:lazy" runs with --lazy (packed candidate shards), "ARCH:guarantee" with the guarantee on.
+"ARCH:lazy" runs with --lazy (packed candidate shards), "ARCH:guarantee" with the guarantee on,
+"ARCH:search" with the guarantee and the search on, and "ARCH:probe" measures and probes the
+held-aside objective directly (:func:`probe_case`).
 """
 
 from __future__ import annotations
@@ -79,6 +81,44 @@ def run_case(d: Path, out: Path, tp: int, **kw) -> dict:
             "guarantee": res.assignment.meta.get("guarantee")}
 
 
+# without the guarantee: its references add off-menu rungs in one process that a TP rank lacks
+SEARCH = dict(guarantee=False, search_evals=8, search_sequences=2)
+
+
+def probe_case(d: Path, out: Path, tp: int) -> dict:
+    """The held-aside objective at the warm start's argmax: its measurement, the probe's
+    first-order ΔKL of every one-rung move, and a measurement replaying the layers before the
+    last decoder layer after one move there, against the same move measured in full."""
+    from voodoo_quant.training.objective import HeldAside, TPHeldAside, layer_of
+    from voodoo_quant.training.rungs import menu_rungs, release, serve
+    from voodoo_quant.training.trainer import Trainer
+
+    run = Trainer(config(d, out, tp, search_sequences=2, warm_start=True)).prepare()
+    rungs = menu_rungs(run.plans, run.mixed)
+    current = {n: mq.argmax() for n, mq in run.mixed.items()}
+    if run.tp is not None:
+        held = TPHeldAside(run.student, run.teacher, run.held_tokens, run.tp, device=run.device,
+                           chunk_tokens=run.cfg.loss_chunk_size, sharded=run.tp_sharded)
+    else:
+        held = HeldAside(run.student, run.teacher, run.held_tokens, device=run.device,
+                         chunk_tokens=run.cfg.loss_chunk_size)
+    try:
+        serve(rungs, current)
+        m = held.measure()
+        held.commit()
+        probe = held.probe(rungs, current)
+        last = max(layer_of(n) for n in rungs if layer_of(n) is not None)
+        name = sorted(n for n in rungs if layer_of(n) == last)[0]
+        moved = dict(current, **{name: (current[name] + 1) % len(rungs[name].types)})
+        serve(rungs, moved)
+        replayed = held.measure(from_layer=last)
+        full = held.measure()
+    finally:
+        release(rungs)
+    return {"kl": m.per_sequence, "probe": probe, "replayed": replayed.per_sequence, "full": full.per_sequence,
+            "prefix": held._prefix_ok, "cached_teacher": bool(held._teacher)}
+
+
 def main(argv: list[str]) -> None:
     import torch.distributed as dist
 
@@ -93,7 +133,10 @@ def main(argv: list[str]) -> None:
     for case in archs:  # "arch", "arch:lazy" or "arch:guarantee" (the guarantee measured across the ranks)
         arch, _, mode = case.partition(":")
         whole.clear()
-        kw = {"guarantee": True} if mode == "guarantee" else {"lazy": mode == "lazy"}
+        if mode == "probe":
+            results[case] = probe_case(root / arch, out / case.replace(":", "-"), 2)
+            continue
+        kw = {"guarantee": True} if mode == "guarantee" else SEARCH if mode == "search" else {"lazy": mode == "lazy"}
         results[case] = run_case(root / arch, out / case.replace(":", "-"), 2, **kw)
         results[case]["whole_loads"] = len(whole)
     rank = dist.get_rank()

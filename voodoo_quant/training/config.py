@@ -187,15 +187,15 @@ class TrainConfig:
 
     @property
     def measures(self) -> bool:
-        """Whether the bake is followed by measurements on held-aside sequences: the guarantee, and
-        in one process the search (a tensor-parallel run measures the guarantee's menu-type
-        candidates across its ranks and does not search)."""
+        """Whether the bake is followed by measurements on held-aside sequences: the guarantee and
+        the search (a tensor-parallel run measures the guarantee's menu-type candidates, and
+        searches, across its ranks)."""
         return (self.method == "gates" and (self.guarantee or self.searches) and self.search_sequences > 0)
 
     @property
     def searches(self) -> bool:
-        """Whether the measured-KL search runs after the guarantee (single-process runs only)."""
-        return self.method == "gates" and self.search_evals > 0 and self.search_sequences > 0 and self.tensor_parallel == 1
+        """Whether the measured-KL search runs after the guarantee."""
+        return self.method == "gates" and self.search_evals > 0 and self.search_sequences > 0
 
     @property
     def log_path(self) -> Path:

@@ -43,8 +43,9 @@ def improve(run, gate_choices: Sequence[tuple[str, Mapping[str, int]]], *,
             on_eval: Callable[[SearchEvent], None] | None = None) -> Outcome:
     """Measure `gate_choices` ((name, tensor -> menu index), the bake first) and the run's
     references on the held-aside split, then search from the best. Leaves the student as it was.
-    Under tensor parallelism every rank measures together (the same values on each), only the
-    references made of menu types are measured, and there is no search."""
+    Under tensor parallelism every rank measures and searches together (the same values, so the
+    same decisions, on each; rank 0 alone writes the journal, every rank resumes from it), and
+    only the references made of menu types are measured."""
     cfg, plans = run.cfg, run.plans
     hi = float(run.budget.upper_bytes)
     lo = run.budget.target_bytes * (1.0 - run.budget.tolerance)
@@ -67,7 +68,8 @@ def improve(run, gate_choices: Sequence[tuple[str, Mapping[str, int]]], *,
             rungs[n].add(t, by[n].sizes[by[n].menu.types.index(t)] if t in by[n].menu.types else _nbytes(by[n], t))
     if run.tp is not None:
         held = TPHeldAside(run.student, run.teacher, run.held_tokens, run.tp, device=run.device,
-                           teacher_device=run.teacher_device, chunk_tokens=cfg.loss_chunk_size)
+                           teacher_device=run.teacher_device, chunk_tokens=cfg.loss_chunk_size,
+                           sharded=run.tp_sharded)
     else:
         held = HeldAside(run.student, run.teacher, run.held_tokens, device=run.device, teacher_device=run.teacher_device,
                          chunk_tokens=cfg.loss_chunk_size)
@@ -84,14 +86,15 @@ def improve(run, gate_choices: Sequence[tuple[str, Mapping[str, int]]], *,
         start, start_m = measured[best.name]
         search = None
         current = start
-        if cfg.search_evals > 0 and run.tp is None:  # the search's probes and replays are single-process
+        if cfg.search_evals > 0:
+            main = run.tp is None or run.tp.is_main
             pinned = {n for n in rungs if is_pinned(n, cfg.upgrades)}
             settings = {"result_hash": cfg.result_hash(), "reprobe": 4, "hi": hi, "lo": lo, "margin": cfg.search_margin}
             key = search_key(types_of(rungs, start), held, settings)
             res = local_search(rungs, start, held, lo=lo, hi=hi, max_evals=cfg.search_evals, pinned=pinned,
-                               journal_path=cfg.out_dir / JOURNAL_NAME, key=key,
-                               start_measurement=start_m, on_eval=on_eval, curvature=run.curvature,
-                               margin=cfg.search_margin)
+                               journal_path=cfg.out_dir / JOURNAL_NAME, write_journal=main, key=key,
+                               start_measurement=start_m, on_eval=on_eval if main else None,
+                               curvature=run.curvature, margin=cfg.search_margin)
             current, search = res.current, res.summary()
         types = types_of(rungs, current)
         sizes = {n: rungs[n].sizes[current[n]] for n in rungs}

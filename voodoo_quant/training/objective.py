@@ -101,7 +101,18 @@ class HeldAside:
         self.device = device
         self.chunk = max(1, chunk_tokens or tokens.shape[1])
         self.batch = max(1, batch_size)
-        tdev = teacher_device or device
+        self._prepare_teacher(teacher, teacher_device or device)
+        self._layers = _decoder_layers(student)
+        hidden = getattr(getattr(student, "config", None), "hidden_size", None)
+        fits = (self._layers is not None and hidden is not None
+                and len(self._layers) * tokens.numel() * hidden * 4 <= PREFIX_CACHE_BYTES)
+        self._prefix_ok = fits
+        self._committed: list[list] | None = None  # [batch][layer] outputs of the committed assignment
+        self._pending: tuple[int, list[list]] | None = None
+
+    def _prepare_teacher(self, teacher: nn.Module, tdev: torch.device) -> None:
+        """The teacher's side of every measurement, computed once."""
+        student, tokens = self.student, self.tokens
         self._plain = chunk_reason(student) is None and chunk_reason(teacher) is None
         self._teacher: list[torch.Tensor] = []  # per batch: teacher hidden [b, seq-1, d] or log-probs
         vocab = teacher.get_output_embeddings().weight.shape[0] if teacher.get_output_embeddings() is not None else 0
@@ -122,13 +133,6 @@ class HeldAside:
                 else:
                     logits = teacher(input_ids=ids_t).logits[:, :-1].float()
                     self._teacher.append(F.log_softmax(logits, dim=-1))
-        self._layers = _decoder_layers(student)
-        hidden = getattr(getattr(student, "config", None), "hidden_size", None)
-        fits = (self._layers is not None and hidden is not None
-                and len(self._layers) * tokens.numel() * hidden * 4 <= PREFIX_CACHE_BYTES)
-        self._prefix_ok = fits
-        self._committed: list[list] | None = None  # [batch][layer] outputs of the committed assignment
-        self._pending: tuple[int, list[list]] | None = None
 
     def _batches(self):
         for lo in range(0, self.tokens.shape[0], self.batch):
@@ -240,35 +244,61 @@ class HeldAside:
                     if 0 <= j < len(r.types):
                         row[j] = 0.0 if g is None else float((g.double() * (r.get(j).double() - leaves[n].detach().double())).sum())
                 out[n] = row
-            return out
+            return self._combine(out)
         finally:
             serve(rungs, current)
 
+    def _combine(self, rows: dict[str, list[float]]) -> dict[str, list[float]]:
+        """The probe's rows as every process agrees on them (one process: as they are)."""
+        return rows
 
-class TPHeldAside:
-    """KL(teacher ‖ student) on `tokens` under tensor parallelism: each sequence through the
-    vocabulary-sharded loss (``parallel.tp_distill_terms``), so every rank gets the same value.
-    The mean of per-sequence mean KLs, as :class:`HeldAside` measures it. It keeps no teacher
-    cache and replays no layer: under TP the guarantee measures a few assignments and the search
-    does not run."""
+
+class TPHeldAside(HeldAside):
+    """:class:`HeldAside` under tensor parallelism: each sequence through the vocabulary-sharded
+    loss (``parallel.tp_distill_terms``), so every rank gets the same per-sequence KL, the mean of
+    them as :class:`HeldAside` measures it (up to float summation order). The teacher's final
+    hidden states are kept when they fit in ``TEACHER_CACHE_BYTES`` (its sharded head is
+    re-applied to them), and the prefix replay works as in one process: a decoder layer's output
+    is the whole hidden state on every rank, and every rank skips the same layers, so their
+    collectives stay matched. ``probe`` sums each split tensor's inner products over the ranks
+    (`sharded`: the gated tensors split across them); a replicated tensor's, equal on every rank,
+    are rank 0's. Every rank thus measures, probes and decides alike, and the search runs on all."""
 
     def __init__(self, student: nn.Module, teacher: nn.Module, tokens: torch.Tensor, tp, *, device: torch.device,
-                 teacher_device: torch.device | None = None, chunk_tokens: int = 0):
-        if tokens.dim() != 2 or tokens.shape[0] < 1 or tokens.shape[1] < 2:
-            raise ValueError(f"held-aside tokens must be [n >= 1, seq >= 2], got {tuple(tokens.shape)}")
-        self.student, self.teacher, self.tokens, self.tp = student, teacher, tokens, tp
-        self.device, self.teacher_device, self.chunk = device, teacher_device, chunk_tokens
+                 teacher_device: torch.device | None = None, chunk_tokens: int = 0,
+                 sharded: frozenset[str] | set[str] = frozenset()):
+        self.tp, self.sharded = tp, frozenset(sharded)
+        super().__init__(student, teacher, tokens, device=device, teacher_device=teacher_device,
+                         chunk_tokens=chunk_tokens, batch_size=1)
 
-    def measure(self) -> Measurement:
+    def _prepare_teacher(self, teacher: nn.Module, tdev: torch.device) -> None:
+        from ..parallel import teacher_hidden_states
+
+        self.teacher, self.teacher_device = teacher, tdev
+        hidden = teacher.get_output_embeddings().weight.shape[-1]
+        n_pred = self.tokens.shape[0] * (self.tokens.shape[1] - 1)
+        self._teacher = []  # per sequence: the teacher's final hidden states, or none kept
+        if n_pred * hidden * 4 <= TEACHER_CACHE_BYTES:
+            self._teacher = [teacher_hidden_states(teacher, ids.to(tdev)) for ids in self._batches()]
+
+    def _kl_rows(self, ids: torch.Tensor, i: int) -> torch.Tensor:
         from ..parallel import tp_distill_terms
 
-        per = []
-        with torch.no_grad(), parametrize.cached():
-            for row in self.tokens:
-                _ce, kl = tp_distill_terms(self.student, self.teacher, row.unsqueeze(0).to(self.device), self.tp,
-                                           chunk_tokens=self.chunk, teacher_device=self.teacher_device)
-                per.append(float(kl))
-        return Measurement(sum(per) / len(per), tuple(per))
+        _ce, kl = tp_distill_terms(self.student, self.teacher, ids, self.tp, chunk_tokens=self.chunk,
+                                   teacher_device=self.teacher_device,
+                                   teacher_hidden=self._teacher[i] if self._teacher else None)
+        return kl.reshape(1)
+
+    def _combine(self, rows: dict[str, list[float]]) -> dict[str, list[float]]:
+        names = sorted(rows)
+        mine = [v if n in self.sharded or self.tp.is_main else 0.0 for n in names for v in rows[n]]
+        flat = self.tp.all_reduce(torch.tensor(mine, dtype=torch.float64))
+        out, off = {}, 0
+        for n in names:
+            k = len(rows[n])
+            out[n] = [float(v) for v in flat[off:off + k]]
+            off += k
+        return out
 
 
 def _decoder_layers(model: nn.Module) -> nn.ModuleList | None:

@@ -107,8 +107,6 @@ def print_result(console: Console, run, result) -> None:
             for mv in s["moves"]:
                 ch = ", ".join(f"{n} {a}→{b}" for n, a, b in mv["changes"])
                 console.print(f"  {ch}: {mv['bytes']:+,} bytes, KL {mv['kl_before']:.6f} → {mv['kl_after']:.6f}")
-        elif getattr(run, "tp", None) is not None and run.cfg.search_evals > 0:
-            console.print("search: not run under tensor parallelism (single-process only); the start above is written")
     console.print(
         f"baked: {_mb(asg.total_bytes)} ({asg.bpw:.3f} bpw) vs target {_mb(b.target_bytes)} "
         f"(±{b.tolerance:.1%}); upgrades moved {result.bake.upgraded}, repair moves down {result.bake.repaired} / up {result.bake.filled}\n"

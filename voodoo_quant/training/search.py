@@ -20,6 +20,8 @@ probe is redone after a few acceptances or when the predicted list is used up.
 ``--search_evals`` bounds the measurements. The state (current assignment, measured KL, moves
 tried and accepted, evaluations spent) is journaled to ``search.json`` after every measurement,
 so a killed run resumes where it stopped. Tensors pinned by ``--tensor_upgrades`` never move.
+Under tensor parallelism every rank runs the same search on the same measurements
+(``objective.TPHeldAside``), so every rank takes the same moves.
 """
 
 from __future__ import annotations
@@ -150,12 +152,15 @@ def search_key(start_types: Mapping[str, str], held: HeldAside, settings: Mappin
 
 def local_search(
     rungs: Mapping[str, Rungs], start: Mapping[str, int], held: HeldAside, *, lo: float, hi: float, max_evals: int,
-    pinned: set[str] = frozenset(), journal_path: Path | None = None, key: str = "", reprobe_every: int = 4,
+    pinned: set[str] = frozenset(), journal_path: Path | None = None, write_journal: bool = True, key: str = "",
+    reprobe_every: int = 4,
     start_measurement: Measurement | None = None, on_eval: Callable[[SearchEvent], None] | None = None,
     curvature: Mapping[str, dict] | None = None, margin: float = 0.0,
 ) -> SearchResult:
     """Greedy first-improvement local search from `start` (tensor -> rung), at most `max_evals`
-    measurements. Leaves the student serving the result."""
+    measurements. Leaves the student serving the result. The journal at `journal_path` is resumed
+    from, and with `write_journal` written after every measurement (a tensor-parallel rank other
+    than 0 reads it and leaves the writing to rank 0)."""
     current = dict(start)
     tried: set[str] = set()
     accepted: list[dict] = []
@@ -180,7 +185,7 @@ def local_search(
     total = total_bytes(rungs, current)
 
     def save() -> None:
-        if journal_path is None:
+        if journal_path is None or not write_journal:
             return
         fileio.write_json(journal_path, {
             "version": JOURNAL_VERSION, "key": key, "current": types_of(rungs, current), "kl": cur.kl,

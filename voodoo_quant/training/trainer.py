@@ -171,8 +171,7 @@ class Trainer:
 
     @property
     def measures(self) -> bool:
-        """Whether the bake is followed by the guarantee (and in one process the search) on the
-        held-aside split."""
+        """Whether the bake is followed by the guarantee and the search on the held-aside split."""
         run = self.run
         return self.cfg.measures and run is not None and run.held_tokens is not None
 
