@@ -64,6 +64,49 @@ def test_served_assignment_is_exactly_its_candidates(built):
         release(rungs)
 
 
+def test_probe_is_the_gradient_of_the_held_aside_kl_and_keeps_no_logits_for_backward(built):
+    """The probe's entry for rung j of tensor t is ⟨∂KL/∂W_t, W_tj − W_tk⟩ of the mean held-aside
+    KL, here against autograd through one whole-vocabulary forward of all sequences at once. And
+    the probe keeps no [tokens, vocab] tensor for its backward (each head chunk is recomputed), so
+    a long sequence and a large vocabulary cost one chunk of logits, as in training."""
+    import torch.nn.functional as F
+
+    tr, held = built
+    run = tr.run
+    rungs = menu_rungs(run.plans, run.mixed)
+    current = {n: 1 for n in rungs}
+    vocab = run.student.get_output_embeddings().weight.shape[0]
+    saved = []
+
+    def pack(t):
+        saved.append(tuple(t.shape))
+        return t
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            got = held.probe(rungs, current)
+        leaves = {}
+        for n, r in rungs.items():
+            leaves[n] = w = r.get(current[n]).detach().requires_grad_(True)
+            r.mq.override = (None, (lambda _k, w=w: w), 1)
+        ids = run.held_tokens.to(run.device)
+        s_log = F.log_softmax(run.student(input_ids=ids).logits[:, :-1].float(), dim=-1)
+        with torch.no_grad():
+            t_log = F.log_softmax(run.teacher(input_ids=ids).logits[:, :-1].float(), dim=-1)
+        (t_log.exp() * (t_log - s_log)).sum(-1).mean(-1).mean().backward()
+    finally:
+        release(rungs)
+    s1 = run.held_tokens.shape[1] - 1  # one head chunk holds every position of a sequence here
+    assert saved and (s1, vocab) not in saved  # no logits (student's or teacher's) kept for backward
+    scale = max(abs(v) for row in got.values() for v in row if v == v)
+    assert scale > 0
+    for n, r in rungs.items():
+        g = leaves[n].grad.double()
+        for j in (0, 2):
+            want = float((g * (r.get(j).double() - r.get(1).double())).sum())
+            assert got[n][j] == pytest.approx(want, rel=1e-4, abs=1e-6 * scale), (n, j)
+        assert got[n][1] == 0.0 and all(v != v for v in got[n][3:])
+
+
 def test_search_finds_a_planted_better_assignment(built, tmp_path):
     """Start from a good assignment with its most sensitive tensor moved one rung down; the bytes
     for undoing that are the only slack. The search must measure its way back (or better)."""

@@ -31,6 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.utils import parametrize
+from torch.utils.checkpoint import checkpoint
 
 from .losses import chunk_reason, head_of, hidden_states
 from .rungs import Rungs, serve
@@ -146,27 +147,30 @@ class HeldAside:
         h = t[seq].reshape(-1, t.shape[-1])[lo:hi]
         return F.log_softmax(F.linear(h.to(w.device), w, b).float(), dim=-1)
 
-    def _kl_rows(self, ids: torch.Tensor, i: int) -> torch.Tensor:
-        """Per-sequence KL sums of batch `i` (the student forward inside; grad if enabled)."""
+    def _kl_rows(self, ids: torch.Tensor, i: int, row0: int = 0) -> torch.Tensor:
+        """Per-sequence KL sums of `ids`, rows `row0`.. of batch `i` (the student forward inside;
+        grad if enabled, each head chunk then checkpointed: its logits and the teacher's are
+        recomputed in backward, so one chunk's are alive at a time, as in the training loss)."""
         n, s1 = ids.shape[0], ids.shape[1] - 1
         sums = []
         if self._plain:
             h = hidden_states(self.student, ids)[:, :-1]
             head = head_of(self.student)
+            grad = torch.is_grad_enabled()
             for r in range(n):
                 hr = h[r]
                 acc = None
                 for lo in range(0, s1, self.chunk):
                     hi = min(s1, lo + self.chunk)
-                    s_log = F.log_softmax(head(hr[lo:hi]).float(), dim=-1)
-                    t_log = self._teacher_logp(i, lo, hi, slice(r, r + 1)).to(s_log.device)
-                    term = (t_log.exp() * (t_log - s_log)).sum()
+                    def chunk(hs, lo=lo, hi=hi, row=slice(row0 + r, row0 + r + 1)):
+                        return _kl_chunk(head, hs, self._teacher_logp(i, lo, hi, row))
+                    term = checkpoint(chunk, hr[lo:hi], use_reentrant=False) if grad else chunk(hr[lo:hi])
                     acc = term if acc is None else acc + term
                 sums.append(acc)
         else:
             logits = self.student(input_ids=ids).logits[:, :-1].float()
             s_log = F.log_softmax(logits, dim=-1)
-            t_log = self._teacher[i].to(s_log.device)
+            t_log = self._teacher[i][row0:row0 + n].to(s_log.device)
             sums = list((t_log.exp() * (t_log - s_log)).sum(-1).sum(-1))
         return torch.stack(sums) / s1
 
@@ -232,8 +236,9 @@ class HeldAside:
             n_seq = self.tokens.shape[0]
             self._pending = None
             for i, ids in enumerate(self._batches()):
-                with parametrize.cached():
-                    (self._kl_rows(ids.to(self.device), i).sum() / n_seq).backward()
+                for r in range(ids.shape[0]):  # one sequence at a time: what autograd keeps is a batch of 1
+                    with parametrize.cached():
+                        (self._kl_rows(ids[r:r + 1].to(self.device), i, r).sum() / n_seq).backward()
             out: dict[str, list[float]] = {}
             for n, r in rungs.items():
                 k = current[n]
@@ -281,7 +286,7 @@ class TPHeldAside(HeldAside):
         if n_pred * hidden * 4 <= TEACHER_CACHE_BYTES:
             self._teacher = [teacher_hidden_states(teacher, ids.to(tdev)) for ids in self._batches()]
 
-    def _kl_rows(self, ids: torch.Tensor, i: int) -> torch.Tensor:
+    def _kl_rows(self, ids: torch.Tensor, i: int, row0: int = 0) -> torch.Tensor:
         from ..parallel import tp_distill_terms
 
         _ce, kl = tp_distill_terms(self.student, self.teacher, ids, self.tp, chunk_tokens=self.chunk,
@@ -299,6 +304,13 @@ class TPHeldAside(HeldAside):
             out[n] = [float(v) for v in flat[off:off + k]]
             off += k
         return out
+
+
+def _kl_chunk(head: nn.Module, h: torch.Tensor, t_log: torch.Tensor) -> torch.Tensor:
+    """Σ over a chunk of positions of KL(teacher ‖ student), from the student's hidden states."""
+    s_log = F.log_softmax(head(h).float(), dim=-1)
+    t_log = t_log.to(s_log.device)
+    return (t_log.exp() * (t_log - s_log)).sum()
 
 
 def _decoder_layers(model: nn.Module) -> nn.ModuleList | None:
