@@ -6,7 +6,7 @@ reports its own peak RSS (``VmHWM``) at exit, and :func:`voodoo_quant.memory.dry
 the same run's CPU peak from the config alone. On CPU device memory and host memory are one RAM,
 so the prediction compared is :attr:`MemoryPlan.cpu_peak`. Printed: predicted, measured, error.
 
-    python bench/memory_model.py [--sizes 512 768 1024] [--seq_len 256] [--modes lazy lazy,ckpt,q8 eager]
+    python bench/memory_model.py [--sizes 512 768 1024] [--seq_len 256] [--modes lazy lazy,ckpt,q8 eager lazy,search]
                                  [--out bench/results/memory_model.json]
 """
 
@@ -54,10 +54,17 @@ def make_model(d: Path, hidden: int, layers: int, vocab: int, seq: int) -> Path:
 def flags(d: Path, out: Path, seq: int, extra: list[str]) -> list[str]:
     return ["train", "--model", str(d / "model"), "--data_dir", str(d / "data"), "--output_dir", str(out),
             "--candidate_types", *MENU, "--compression_ratio", "0.6", "--seq_len", str(seq), "--batch_size", "1",
-            "--max_steps", "2", "--no_warm_start", "--no_polish", "--loss_chunk_size", "128",
-            # the training the memory model plans: not the post-bake measurements of a single-device
-            # run (guarantee, search: objective.py), which tensor-parallel runs never do
-            "--no_guarantee", "--search_evals", "0", *extra]
+            "--max_steps", "2", "--no_warm_start", "--no_polish", "--loss_chunk_size", "128", *extra]
+
+
+def mode_flags(mode: str) -> list[str]:
+    """lazy, ckpt, q8 as named; without `search` the run stops after the bake (no guarantee, no
+    search), with it the guarantee and a 4-evaluation search measure on 2 held-aside sequences
+    (their own phase after training: memory_phases.py)."""
+    return ((["--lazy"] if "lazy" in mode else []) + (["--gradient_checkpointing"] if "ckpt" in mode else [])
+            + (["--teacher_quant", "Q8_0"] if "q8" in mode else [])
+            + (["--search_sequences", "2", "--search_evals", "4"] if "search" in mode
+               else ["--no_guarantee", "--search_evals", "0"]))
 
 
 def predict(argv: list[str], show: bool = False) -> float:
@@ -87,7 +94,8 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=32768)
     ap.add_argument("--seq_len", type=int, default=256)
     ap.add_argument("--modes", nargs="+", default=["lazy", "lazy,ckpt,q8", "eager"],
-                    help="comma-joined: lazy (--lazy), ckpt (--gradient_checkpointing), q8 (--teacher_quant Q8_0)")
+                    help="comma-joined: lazy (--lazy), ckpt (--gradient_checkpointing), q8 (--teacher_quant Q8_0), "
+                         "search (the guarantee and a short search after training)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--workdir", type=Path, default=None, help="keep the models here (reused when present)")
     ap.add_argument("--show", action="store_true", help="print every plan's terms")
@@ -100,9 +108,7 @@ def main() -> None:
             if not (d / "model" / "config.json").is_file():
                 make_model(d, h, a.layers, a.vocab, a.seq_len)
             for mode in a.modes:
-                extra = ((["--lazy"] if "lazy" in mode else []) + (["--gradient_checkpointing"] if "ckpt" in mode else [])
-                         + (["--teacher_quant", "Q8_0"] if "q8" in mode else []))
-                argv = flags(d, Path(tmp) / f"run-h{h}-{mode}", a.seq_len, extra)
+                argv = flags(d, Path(tmp) / f"run-h{h}-{mode}", a.seq_len, mode_flags(mode))
                 pred = predict(argv, a.show)
                 meas = measure(argv)
                 err = (pred - meas) / meas

@@ -145,4 +145,9 @@ def test_reference_recipe_plans_from_a_config_alone():
     verdict = [ln for ln in out.splitlines() if "GB of 32 GB per device" in ln]
     assert len(verdict) == 1
     assert "DOES NOT FIT" not in verdict[0], out[-1500:]  # the recipe fits as written (default 1024-token loss chunks)
+    # the guarantee and the search after training: their own phase, under the training peak. A
+    # served --lazy rung is dequantized per use (one weight, the 317.8e6-weight LM head shard in
+    # bf16), not the whole 13.45 GB model per rank; the probe back-propagates one sequence
+    (post,) = [ln for ln in out.splitlines() if "post-bake measurements" in ln]
+    assert " 0.00 GB" in post and "a served weight in use 0.64" in post and "probe (one sequence)" in post, post
     assert "torch.distributed.run" not in out  # nothing launched

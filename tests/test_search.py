@@ -107,6 +107,39 @@ def test_probe_is_the_gradient_of_the_held_aside_kl_and_keeps_no_logits_for_back
         assert got[n][1] == 0.0 and all(v != v for v in got[n][3:])
 
 
+def test_a_lazy_served_student_holds_one_dequantized_weight_at_a_time(gate_model_dir, tmp_path, monkeypatch):
+    """Under --lazy a measurement and the probe dequantize each served rung when its layer uses it
+    and drop it after: at most a couple of dense weights are alive at once, not the model (which
+    is what holding every served rung would cost)."""
+    import weakref
+
+    from voodoo_quant.training import rungs as R
+
+    tr = Trainer(_cfg(gate_model_dir, tmp_path / "lazy", lazy=True))
+    run = tr.prepare()
+    held = HeldAside(run.student, run.teacher, run.held_tokens, device=run.device)
+    rungs = menu_rungs(run.plans, run.mixed)
+    refs, peak = [], [0]
+    real = R.RungSource.__call__
+
+    def tracked(self, i):
+        w = real(self, i)
+        refs.append(weakref.ref(w))
+        peak[0] = max(peak[0], sum(r() is not None for r in refs))
+        return w
+    monkeypatch.setattr(R.RungSource, "__call__", tracked)
+    try:
+        serve(rungs, {n: 1 for n in rungs})
+        m = held.measure()
+        measured_peak, peak[0] = peak[0], 0
+        held.probe(rungs, {n: 1 for n in rungs})
+    finally:
+        release(rungs)
+    assert len(rungs) >= 10 and m.kl > 0
+    assert measured_peak <= 2, measured_peak
+    assert peak[0] <= 4, peak[0]  # the probe: one tensor's three rungs (and a tied head's use)
+
+
 def test_search_finds_a_planted_better_assignment(built, tmp_path):
     """Start from a good assignment with its most sensitive tensor moved one rung down; the bytes
     for undoing that are the only slack. The search must measure its way back (or better)."""

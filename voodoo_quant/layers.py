@@ -85,7 +85,7 @@ class _Mix(torch.autograd.Function):
     candidates are summed in order into one buffer, each product rounded to the accumulation
     dtype and then added, exactly as before, without allocating a temporary per candidate.
     Backward takes one dot product per candidate (no [shape] temporary either way), the same
-    call for eager and lazy candidates.
+    call for eager and lazy candidates, in float64 when `p` is (the search's probe).
 
     A weight larger than ``MIX_CHUNK_ELEMENTS`` whose candidates can be read by rows is mixed a
     block of rows at a time into the output (each element computed by the very same operations,
@@ -125,17 +125,18 @@ class _Mix(torch.autograd.Function):
     def backward(ctx, grad_w: torch.Tensor):  # type: ignore[override]
         (p,) = ctx.saved_tensors
         get = ctx.get
+        acc = torch.float64 if p.dtype == torch.float64 else ctx.acc  # float64 gates: float64 dot products
         if ctx.step is None:
-            g = grad_w.to(ctx.acc).reshape(-1)
+            g = grad_w.to(acc).reshape(-1)
             cand = (lambda k: get[k]) if isinstance(get, torch.Tensor) else get
-            grads = torch.stack([torch.dot(g, cand(k).to(ctx.acc).reshape(-1)) for k in range(ctx.k_count)])
+            grads = torch.stack([torch.dot(g, cand(k).to(acc).reshape(-1)) for k in range(ctx.k_count)])
         else:
             rows = row_reader(get)
             grads = None
             for lo in range(0, grad_w.shape[0], ctx.step):
                 hi = min(grad_w.shape[0], lo + ctx.step)
-                g = grad_w[lo:hi].to(ctx.acc).reshape(-1)
-                part = torch.stack([torch.dot(g, rows(k, lo, hi).to(ctx.acc).reshape(-1)) for k in range(ctx.k_count)])
+                g = grad_w[lo:hi].to(acc).reshape(-1)
+                part = torch.stack([torch.dot(g, rows(k, lo, hi).to(acc).reshape(-1)) for k in range(ctx.k_count)])
                 grads = part if grads is None else grads.add_(part)
         return grads.to(p.dtype), None, None, None, None
 

@@ -237,6 +237,7 @@ def plan_memory(cfg, model: nn.Module, plans: Sequence, *, adapter=None, tp_plan
     else:
         mp.device.append(Term("activations (all layers saved)", all_layers + layer_in,
                               f"with --gradient_checkpointing: {(n_layers * layer_in + max(per_kind.values())) / GB:.2f} GB"))
+    act_bytes = mp.device[-1].bytes  # the activation term just added
     # the teacher's no-grad forward: one layer's intermediates at a time
     mp.device.append(Term("teacher forward (no grad, one layer)", max(per_kind.values()) / 2))
 
@@ -247,6 +248,18 @@ def plan_memory(cfg, model: nn.Module, plans: Sequence, *, adapter=None, tp_plan
     loss = loss_chunk_bytes(chunk, v_rank, db) + 2 * n_tok * hidden * db
     mp.device.append(Term("loss chunk (logits, log-softmax, KL)", loss,
                           f"{chunk} tokens x {v_rank} vocab" + ("" if cfg.loss_chunk_size > 0 else "; --loss_chunk_size bounds it")))
+    if cfg.measures:  # the guarantee and the search: their own phase after training (memory_phases.py)
+        from .memory_phases import measure_phase
+        from .training.losses import chunk_reason
+
+        phase = measure_phase(cfg, db=db, hidden=hidden, vocab_rank=v_rank, n_layers=n_layers, world=world,
+                              plain_head=chunk_reason(model) is None, biggest=big, block=blk,
+                              probe_activations=act_bytes / B,
+                              probe_loss=loss_chunk_bytes(min(cfg.loss_chunk_size or T, T - 1), v_rank, db))
+        kept = cand + others * db + n_gates * (4 * 4 + 8) + (0 if on_host_teacher else sum(t.bytes for t in teacher_terms))
+        over = kept + phase.extra - mp.device_total
+        mp.device.append(Term("post-bake measurements: above training" if over > 0 else "post-bake measurements",
+                              max(0.0, over), f"own phase, peak {(kept + phase.extra) / GB:.2f} GB: {phase.note}"))
 
     # -- host: the loading peak -----------------------------------------------------------------
     full = sum(_numel(p.shape) for p in plans) + sum(
@@ -272,10 +285,9 @@ def plan_memory(cfg, model: nn.Module, plans: Sequence, *, adapter=None, tp_plan
     if on_host_teacher:
         mp.host.append(Term("teacher weights (--teacher_device)", t_bytes))
     if cfg.needs_sensitivity:
-        mp.host.append(_sensitivity_term(cfg, model, plans, full, world, hidden, n_layers, skeleton))
-    if cfg.measures:
-        mp.host.append(Term("post-bake measurements", 0.0,
-                            "not modelled (guarantee, search: objective.py); --no_guarantee --search_evals 0 skips them"))
+        from .memory_phases import sensitivity_term
+
+        mp.host.append(sensitivity_term(cfg, model, plans, full, world, hidden, n_layers, skeleton))
     mp.advice = _advice(cfg, mp, capacity, replan)
     return mp
 
@@ -290,46 +302,6 @@ def _reads_by_name(model: str) -> bool:
     if any(src.glob("*.safetensors")):
         return True
     return not any(src.glob("*.bin")) and not any(src.glob("*.pt"))
-
-
-def _sensitivity_term(cfg, model: nn.Module, plans: Sequence, full: int, world: int, hidden: int,
-                      n_layers: int, skeleton: bool) -> Term:
-    """The sensitivity pass (training/sensitivity.py). On a loaded model it runs at the loading
-    peak and adds its statistics: the Fisher kind a float32 accumulator per weight, the output kind
-    Gram matrices (at most ``GRAM_BYTES`` at once). On a skeleton (tensor parallelism, or --lazy in
-    one process) the Fisher pass streams one decoder layer at a time (training/layerwise.py) before
-    anything is loaded: its own phase, stated in the note and not added to the peak."""
-    from .training.layerwise import host_bytes
-    from .training.sensitivity import GRAM_BYTES, gram_bytes
-
-    skip = "skipped with --no_warm_start --no_polish --no_guarantee --search_evals 0"
-    seqs = cfg.sensitivity_sequences
-    who = "rank 0, its own phase" if world > 1 else "its own phase"
-    if cfg.sensitivity_kind == "fisher" and skeleton:
-        stored = host_bytes(n_layers, seqs, cfg.seq_len, hidden)
-        return Term(f"sensitivity pass ({who})", 0.0,
-                    f"layer by layer before loading: {stored / GB:.2f} GB of stored layer inputs "
-                    f"({seqs} x {cfg.seq_len} tokens) + one float32 layer; {skip}")
-    if cfg.sensitivity_kind == "measured":  # training/measured.py: HeldAside's caches beside the model
-        from .training.objective import PREFIX_CACHE_BYTES, TEACHER_CACHE_BYTES
-
-        tokens, vocab = seqs * cfg.seq_len, int(getattr(getattr(model, "config", None), "vocab_size", 0) or 0)
-        logp = tokens * vocab * 4 if tokens * vocab * 4 <= TEACHER_CACHE_BYTES else tokens * hidden * 4
-        prefix = n_layers * tokens * hidden * 4 if n_layers * tokens * hidden * 4 <= PREFIX_CACHE_BYTES else 0
-        if str(cfg.device) == "cpu":
-            return Term("sensitivity pass (measured): caches", logp + prefix, f"one forward per tensor and rung; {skip}")
-        return Term("sensitivity pass (measured, its own phase)", 0.0,
-                    f"on the device: the float32 model {full * 4 / GB:.2f} GB + caches {(logp + prefix) / GB:.2f} GB "
-                    f"(one forward per tensor and rung); {skip}")
-    modules = dict(model.named_modules())
-    gram = min(GRAM_BYTES, sum(gram_bytes(p, modules) for p in plans))
-    stats = full * 4 if cfg.sensitivity_kind == "fisher" else gram
-    what = "Fisher accumulators (float32)" if cfg.sensitivity_kind == "fisher" else "input Gram matrices"
-    if skeleton:  # the output kind: (rank 0) loads the float32 model whole for it
-        return Term(f"sensitivity pass ({who})", 0.0,
-                    f"the whole float32 model {full * 4 / GB:.2f} GB + {what} {stats / GB:.2f} GB; "
-                    f"--sensitivity_kind fisher streams it; {skip}")
-    return Term(f"sensitivity pass: {what}", stats, skip)
 
 
 def loss_chunk_bytes(tokens: int, vocab: int, db: int) -> float:

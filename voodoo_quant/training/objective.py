@@ -30,11 +30,10 @@ from typing import Mapping
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.utils import parametrize
 from torch.utils.checkpoint import checkpoint
 
 from .losses import chunk_reason, head_of, hidden_states
-from .rungs import Rungs, serve
+from .rungs import RungSource, Rungs, serve
 
 
 TEACHER_CACHE_BYTES = 1 << 30
@@ -184,7 +183,7 @@ class HeldAside:
         taps = self._install() if prefix else None
         outs: list[list] = []
         try:
-            with torch.no_grad(), parametrize.cached():
+            with torch.no_grad():  # no parametrize.cached(): a served rung is produced per use (rungs.py)
                 for i, ids in enumerate(self._batches()):
                     rec: list = []
                     if taps is not None:
@@ -225,29 +224,33 @@ class HeldAside:
     def probe(self, rungs: Mapping[str, "Rungs"], current: Mapping[str, int]) -> dict[str, list[float]]:
         """First-order ΔKL of moving each tensor one rung: ``⟨∂KL/∂W_t, W_tj − W_tk⟩`` for the
         neighbours j = k ± 1 of its current rung k (0 at k, NaN for rungs further away), from one
-        forward + backward of the served assignment. The differences are summed in float64 (the
-        two inner products they come from are nearly equal)."""
-        leaves: dict[str, torch.Tensor] = {}
+        forward + backward of the served assignment, a sequence at a time. Each tensor serves the
+        one-hot mixture of its rungs k − 1, k, k + 1 (exactly W_tk), whose float64 gate gradient
+        is ``⟨∂KL/∂W_t, W_tj⟩`` (``layers._Mix``, float64 dot products: the two inner products a
+        difference comes from are nearly equal). No weight or weight gradient outlives its layer's
+        use: a lazy rung is dequantized when used, as in a training step."""
+        gates: dict[str, tuple[torch.Tensor, list[int]]] = {}
         try:
             for n, r in rungs.items():
-                w = r.get(current[n]).detach().requires_grad_(True)
-                leaves[n] = w
-                r.mq.override = (None, (lambda _k, w=w: w), 1)
+                k = current[n]
+                js = [j for j in (k - 1, k, k + 1) if 0 <= j < len(r.types)]
+                p = torch.zeros(len(js), dtype=torch.float64, device=r.mq.gates.device)
+                p[js.index(k)] = 1.0
+                gates[n] = (p.requires_grad_(True), js)
+                r.mq.override = (p, RungSource(r, js), len(js))
             n_seq = self.tokens.shape[0]
             self._pending = None
             for i, ids in enumerate(self._batches()):
-                for r in range(ids.shape[0]):  # one sequence at a time: what autograd keeps is a batch of 1
-                    with parametrize.cached():
-                        (self._kl_rows(ids[r:r + 1].to(self.device), i, r).sum() / n_seq).backward()
+                for row in range(ids.shape[0]):  # one sequence at a time: what autograd keeps is a batch of 1
+                    (self._kl_rows(ids[row:row + 1].to(self.device), i, row).sum() / n_seq).backward()
             out: dict[str, list[float]] = {}
             for n, r in rungs.items():
                 k = current[n]
-                g = leaves[n].grad
+                p, js = gates[n]
+                g = p.grad
                 row = [float("nan")] * len(r.types)
-                row[k] = 0.0
-                for j in (k - 1, k + 1):
-                    if 0 <= j < len(r.types):
-                        row[j] = 0.0 if g is None else float((g.double() * (r.get(j).double() - leaves[n].detach().double())).sum())
+                for pos, j in enumerate(js):
+                    row[j] = 0.0 if g is None else float(g[pos] - g[js.index(k)])
                 out[n] = row
             return self._combine(out)
         finally:

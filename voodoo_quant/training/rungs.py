@@ -7,7 +7,8 @@ menu types are the MixedQuant's own candidates, off-menu ones are dequantized fr
 cache's bytes (the same libggml-base quantizer and imatrix) when first needed.
 
 ``serve`` makes every tensor's layer serve one rung exactly (the parametrization's override), so
-the student is the file that assignment exports to.
+the student is the file that assignment exports to; a rung is produced when its layer uses it
+(:class:`RungSource`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from .. import qtypes as qt
-from ..layers import MixedQuant
+from ..layers import MixedQuant, row_reader
 from ..menus import rung_key
 
 
@@ -60,11 +61,28 @@ def menu_rungs(plans: Sequence, mixed: Mapping[str, MixedQuant]) -> dict[str, Ru
     return {p.name: Rungs(p.name, mixed[p.name], list(p.menu.types), list(p.sizes)) for p in plans}
 
 
+class RungSource:
+    """Rungs `js` of one tensor as ``layers._Mix`` reads candidates: called with a position in
+    `js`, it produces that rung's weight when asked (a lazy candidate is dequantized then and
+    dropped after use, so a served student holds one dense weight at a time, not the model);
+    ``row_reader`` reads rows of menu rungs where the candidates can be read by rows."""
+
+    def __init__(self, rungs: Rungs, js: Sequence[int]):
+        self.rungs, self.js = rungs, list(js)
+        self.shape = rungs.mq.shape
+        mq = rungs.mq
+        rows = row_reader(mq.stacked if mq.stacked is not None else mq._get)
+        menu = [mq.menu.index(rungs.types[j]) if rungs.types[j] in mq.menu else None for j in self.js]
+        self.row_reader = None if rows is None or None in menu else (lambda i, lo, hi: rows(menu[i], lo, hi))
+
+    def __call__(self, i: int) -> torch.Tensor:
+        return self.rungs.get(self.js[i])
+
+
 def serve(rungs: Mapping[str, Rungs], current: Mapping[str, int]) -> None:
-    """Every tensor serves rung `current[name]` exactly (no mixing)."""
+    """Every tensor serves rung `current[name]` exactly (no mixing), produced on each use."""
     for n, r in rungs.items():
-        w = r.get(current[n])
-        r.mq.override = (None, (lambda _k, w=w: w), 1)
+        r.mq.override = (None, RungSource(r, [current[n]]), 1)
 
 
 def release(rungs: Mapping[str, Rungs]) -> None:

@@ -1,0 +1,110 @@
+"""The memory of a run's phases beside its training steps, for :func:`voodoo_quant.memory.plan_memory`.
+
+**The sensitivity pass** (training/sensitivity.py) runs before training: at the loading peak on a
+loaded model, or on a skeleton one decoder layer at a time (:func:`sensitivity_term`).
+
+**The post-bake measurements**, the guarantee and the search (training/objective.py), run after
+the last training step, when the step's mixtures, activations and loss chunks are gone. They are a
+phase of their own: the run's device peak is the larger of the two phases, and
+:func:`voodoo_quant.memory.plan_memory` adds the excess as one term (:func:`measure_phase`). Beside what
+training leaves resident (candidates, teacher, other weights, gates) the phase holds:
+
+* **served weights**: none beyond a layer's use: each gated weight serves one rung, produced when
+  its layer runs (a view of an eager stack; a ``--lazy`` rung dequantized and dropped after use:
+  ``rungs.RungSource``), so one dense weight at a time.
+* **the probe** (the search only): one forward and backward of one held-aside sequence, each
+  tensor serving the one-hot mixture of its three neighbouring rungs: a training step's
+  activations at batch 1, one loss chunk (its logits recomputed in backward), autograd's gradient
+  of the largest weight, and the mixing transient of the largest block with float64 dot products.
+* **HeldAside's caches**: the teacher's log-probabilities when they fit in
+  ``TEACHER_CACHE_BYTES``, else its final hidden states; under tensor parallelism its hidden
+  states when they fit, else nothing, the teacher then running at every measurement. And the
+  committed assignment's decoder-layer outputs, kept only when they fit in
+  ``PREFIX_CACHE_BYTES``.
+
+``--search_sequences`` counts the held-aside sequences. ``hold_aside`` keeps at most a quarter of
+the tokens file, so on a small file this is an upper bound.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch.nn as nn
+
+from .memory import GB, Term
+
+
+@dataclass(frozen=True)
+class MeasurePhase:
+    extra: float  # bytes the phase holds beyond what training leaves resident
+    note: str
+
+
+def measure_phase(cfg, *, db: int, hidden: int, vocab_rank: int, n_layers: int, world: int, plain_head: bool,
+                  biggest: float, block: float, probe_activations: float, probe_loss: float) -> MeasurePhase:
+    """What the guarantee and the search add to the resident weights of one rank, at their peak
+    (the search's probe). `plain_head`: the LM head is a plain linear layer
+    (``losses.chunk_reason`` is None), so HeldAside can chunk it; `biggest`: this rank's largest
+    gated weight and `block` the most elements ``layers._Mix`` mixes at once; `probe_activations`
+    / `probe_loss`: one training step's activations at batch 1 and one loss chunk."""
+    from .training.objective import PREFIX_CACHE_BYTES, TEACHER_CACHE_BYTES
+
+    n_seq, T = cfg.search_sequences, cfg.seq_len
+    n_pred = n_seq * (T - 1)
+    served = biggest * db if cfg.lazy else 0.0  # one dequantized rung in use
+    if world > 1:
+        teacher = n_pred * hidden * db if n_pred * hidden * 4 <= TEACHER_CACHE_BYTES else 0.0
+    elif plain_head and n_pred * vocab_rank * 4 > TEACHER_CACHE_BYTES:
+        teacher = n_pred * hidden * db
+    else:
+        teacher = n_pred * vocab_rank * 4.0
+    prefix_need = n_layers * n_seq * T * hidden
+    prefix = prefix_need * db if prefix_need * 4 <= PREFIX_CACHE_BYTES else 0.0
+    # float32 accumulator and product forward; the float64 gradient block and candidate backward
+    probe = probe_activations + probe_loss + biggest * db + block * (8 + 8 + db) if cfg.searches else 0.0
+    parts = [("a served weight in use", served), ("teacher cache", teacher), ("layer-output cache", prefix),
+             ("probe (one sequence)", probe)]
+    note = ", ".join(f"{name} {b / GB:.2f}" for name, b in parts if b > 0) or "nothing beyond the resident weights"
+    return MeasurePhase(max(served, probe) + teacher + prefix, note + " GB")
+
+
+def sensitivity_term(cfg, model: nn.Module, plans: Sequence, full: int, world: int, hidden: int,
+                     n_layers: int, skeleton: bool) -> Term:
+    """The sensitivity pass (training/sensitivity.py). On a loaded model it runs at the loading
+    peak and adds its statistics: the Fisher kind a float32 accumulator per weight, the output kind
+    Gram matrices (at most ``GRAM_BYTES`` at once). On a skeleton (tensor parallelism, or --lazy in
+    one process) the Fisher pass streams one decoder layer at a time (training/layerwise.py) before
+    anything is loaded: its own phase, stated in the note and not added to the peak."""
+    from .training.layerwise import host_bytes
+    from .training.sensitivity import GRAM_BYTES, gram_bytes
+
+    skip = "skipped with --no_warm_start --no_polish --no_guarantee --search_evals 0"
+    seqs = cfg.sensitivity_sequences
+    who = "rank 0, its own phase" if world > 1 else "its own phase"
+    if cfg.sensitivity_kind == "fisher" and skeleton:
+        stored = host_bytes(n_layers, seqs, cfg.seq_len, hidden)
+        return Term(f"sensitivity pass ({who})", 0.0,
+                    f"layer by layer before loading: {stored / GB:.2f} GB of stored layer inputs "
+                    f"({seqs} x {cfg.seq_len} tokens) + one float32 layer; {skip}")
+    if cfg.sensitivity_kind == "measured":  # training/measured.py: HeldAside's caches beside the model
+        from .training.objective import PREFIX_CACHE_BYTES, TEACHER_CACHE_BYTES
+
+        tokens, vocab = seqs * cfg.seq_len, int(getattr(getattr(model, "config", None), "vocab_size", 0) or 0)
+        logp = tokens * vocab * 4 if tokens * vocab * 4 <= TEACHER_CACHE_BYTES else tokens * hidden * 4
+        prefix = n_layers * tokens * hidden * 4 if n_layers * tokens * hidden * 4 <= PREFIX_CACHE_BYTES else 0
+        if str(cfg.device) == "cpu":
+            return Term("sensitivity pass (measured): caches", logp + prefix, f"one forward per tensor and rung; {skip}")
+        return Term("sensitivity pass (measured, its own phase)", 0.0,
+                    f"on the device: the float32 model {full * 4 / GB:.2f} GB + caches {(logp + prefix) / GB:.2f} GB "
+                    f"(one forward per tensor and rung); {skip}")
+    modules = dict(model.named_modules())
+    gram = min(GRAM_BYTES, sum(gram_bytes(p, modules) for p in plans))
+    stats = full * 4 if cfg.sensitivity_kind == "fisher" else gram
+    what = "Fisher accumulators (float32)" if cfg.sensitivity_kind == "fisher" else "input Gram matrices"
+    if skeleton:  # the output kind: (rank 0) loads the float32 model whole for it
+        return Term(f"sensitivity pass ({who})", 0.0,
+                    f"the whole float32 model {full * 4 / GB:.2f} GB + {what} {stats / GB:.2f} GB; "
+                    f"--sensitivity_kind fisher streams it; {skip}")
+    return Term(f"sensitivity pass: {what}", stats, skip)
