@@ -254,6 +254,7 @@ def plan_memory(cfg, model: nn.Module, plans: Sequence, *, adapter=None, tp_plan
 
         phase = measure_phase(cfg, db=db, hidden=hidden, vocab_rank=v_rank, n_layers=n_layers, world=world,
                               plain_head=chunk_reason(model) is None, biggest=big, block=blk,
+                              probe_mixed=next(t.bytes for t in mp.device if t.name.startswith("mixed weights")),
                               probe_activations=act_bytes / B,
                               probe_loss=loss_chunk_bytes(min(cfg.loss_chunk_size or T, T - 1), v_rank, db))
         kept = cand + others * db + n_gates * (4 * 4 + 8) + (0 if on_host_teacher else sum(t.bytes for t in teacher_terms))

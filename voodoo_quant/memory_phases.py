@@ -13,9 +13,10 @@ training leaves resident (candidates, teacher, other weights, gates) the phase h
   its layer runs (a view of an eager stack; a ``--lazy`` rung dequantized and dropped after use:
   ``rungs.RungSource``), so one dense weight at a time.
 * **the probe** (the search only): one forward and backward of one held-aside sequence, each
-  tensor serving the one-hot mixture of its three neighbouring rungs: a training step's
-  activations at batch 1, one loss chunk (its logits recomputed in backward), autograd's gradient
-  of the largest weight, and the mixing transient of the largest block with float64 dot products.
+  tensor serving the one-hot mixture of its three neighbouring rungs: the mixtures autograd keeps
+  for backward (as a training step keeps them), a training step's activations at batch 1, one
+  loss chunk (its logits recomputed in backward), autograd's gradient of the largest weight, and
+  the mixing transient of the largest block with float64 dot products.
 * **HeldAside's caches**: the teacher's log-probabilities when they fit in
   ``TEACHER_CACHE_BYTES``, else its final hidden states; under tensor parallelism its hidden
   states when they fit, else nothing, the teacher then running at every measurement. And the
@@ -43,12 +44,15 @@ class MeasurePhase:
 
 
 def measure_phase(cfg, *, db: int, hidden: int, vocab_rank: int, n_layers: int, world: int, plain_head: bool,
-                  biggest: float, block: float, probe_activations: float, probe_loss: float) -> MeasurePhase:
+                  biggest: float, block: float, probe_mixed: float, probe_activations: float,
+                  probe_loss: float) -> MeasurePhase:
     """What the guarantee and the search add to the resident weights of one rank, at their peak
     (the search's probe). `plain_head`: the LM head is a plain linear layer
     (``losses.chunk_reason`` is None), so HeldAside can chunk it; `biggest`: this rank's largest
-    gated weight and `block` the most elements ``layers._Mix`` mixes at once; `probe_activations`
-    / `probe_loss`: one training step's activations at batch 1 and one loss chunk."""
+    gated weight and `block` the most elements ``layers._Mix`` mixes at once; `probe_mixed`: the
+    mixtures autograd keeps for backward, as in a training step (every weight's, or with
+    ``--gradient_checkpointing`` one layer's and the head's); `probe_activations` / `probe_loss`:
+    one training step's activations at batch 1 and one loss chunk."""
     from .training.objective import PREFIX_CACHE_BYTES, TEACHER_CACHE_BYTES
 
     n_seq, T = cfg.search_sequences, cfg.seq_len
@@ -63,7 +67,8 @@ def measure_phase(cfg, *, db: int, hidden: int, vocab_rank: int, n_layers: int, 
     prefix_need = n_layers * n_seq * T * hidden
     prefix = prefix_need * db if prefix_need * 4 <= PREFIX_CACHE_BYTES else 0.0
     # float32 accumulator and product forward; the float64 gradient block and candidate backward
-    probe = probe_activations + probe_loss + biggest * db + block * (8 + 8 + db) if cfg.searches else 0.0
+    probe = (probe_mixed + probe_activations + probe_loss + biggest * db + block * (8 + 8 + db)
+             if cfg.searches else 0.0)
     parts = [("a served weight in use", served), ("teacher cache", teacher), ("layer-output cache", prefix),
              ("probe (one sequence)", probe)]
     note = ", ".join(f"{name} {b / GB:.2f}" for name, b in parts if b > 0) or "nothing beyond the resident weights"

@@ -4,7 +4,7 @@ The gates trained over each tensor's menu; the final search and the never-worse 
 also serve a type off the menu, one a stock recipe or a uniform file gives that tensor. A
 ``Rungs`` holds a tensor's types, their exact GGUF bytes and a way to produce each one's weight:
 menu types are the MixedQuant's own candidates, off-menu ones are dequantized from the candidate
-cache's bytes (the same libggml-base quantizer and imatrix) when first needed.
+cache's bytes (the same libggml-base quantizer and imatrix) each time they are used.
 
 ``serve`` makes every tensor's layer serve one rung exactly (the parametrization's override), so
 the student is the file that assignment exports to; a rung is produced when its layer uses it
@@ -13,7 +13,7 @@ the student is the file that assignment exports to; a rung is produced when its 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 import torch
@@ -29,21 +29,21 @@ class Rungs:
     mq: MixedQuant
     types: list[str]  # cheapest first (menu order, off-menu types inserted by bits per weight)
     sizes: list[int]
-    extra: Callable[[str], torch.Tensor] | None = None  # off-menu type -> HF-layout weight
-    _cache: dict[str, torch.Tensor] = field(default_factory=dict)
+    extra: Callable[[str], torch.Tensor] | None = None  # off-menu type -> HF-layout weight, made when asked
 
     def index(self, qtype: str) -> int:
         return self.types.index(qt.get(qtype).name)
 
     def get(self, j: int) -> torch.Tensor:
+        """Rung j's weight: a menu candidate (an eager view, or a lazy one dequantized now), or an
+        off-menu type dequantized from its bytes now (never kept: the references' types would
+        otherwise add dense copies of the model)."""
         t = self.types[j]
         if t in self.mq.menu:
             return self.mq.candidate(self.mq.menu.index(t))
-        if t not in self._cache:
-            if self.extra is None:
-                raise KeyError(f"{self.name}: no weights for off-menu type {t}")
-            self._cache[t] = self.extra(t).to(self.mq.dtype)
-        return self._cache[t]
+        if self.extra is None:
+            raise KeyError(f"{self.name}: no weights for off-menu type {t}")
+        return self.extra(t).to(self.mq.dtype)
 
     def add(self, qtype: str, nbytes: int) -> int:
         """Insert an off-menu type (once) in bits order; returns its index."""
@@ -88,7 +88,6 @@ def serve(rungs: Mapping[str, Rungs], current: Mapping[str, int]) -> None:
 def release(rungs: Mapping[str, Rungs]) -> None:
     for r in rungs.values():
         r.mq.override = None
-        r._cache.clear()
 
 
 def total_bytes(rungs: Mapping[str, Rungs], current: Mapping[str, int]) -> int:
