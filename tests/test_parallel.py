@@ -143,13 +143,20 @@ def _torchrun(args, tmp_path):
     return p
 
 
-@pytest.mark.slow
-def test_tp2_equals_single_process_for_every_adapter(tp_models, tmp_path):
-    cases = [*tp_case.ARCHS, "qwen3_5:lazy", "lfm2:lazy"]
+def _rank_results(tp_models, tmp_path, cases) -> list[dict]:
+    """Run `cases` (tests/helpers/tp_case.py) on 2 gloo ranks; each rank's results, in rank order.
+    Leaves this process at one thread, as the ranks ran, for the single-process references."""
     root = Path(next(iter(tp_models.values()))).parent
     _torchrun([str(ROOT / "tests" / "helpers" / "tp_case.py"), str(root), str(tmp_path / "tp"), *cases], tmp_path)
     ranks = [torch.load(tmp_path / "tp" / f"rank{r}.pt", weights_only=True) for r in range(2)]
     torch.set_num_threads(1)
+    return ranks
+
+
+@pytest.mark.slow
+def test_tp2_equals_single_process_for_every_adapter(tp_models, tmp_path):
+    cases = [*tp_case.ARCHS, "qwen3_5:lazy", "lfm2:lazy"]
+    ranks = _rank_results(tp_models, tmp_path, cases)
     refs = {}
     for case in cases:
         arch = case.split(":")[0]
@@ -180,10 +187,7 @@ def test_tp2_guarantee_measures_what_one_process_measures(tp_models, tmp_path):
     the held-aside sequences): the gates' bake, the knapsack, and the references made of menu
     types get the single process's held-aside KL, the best one is written, and every rank agrees."""
     cases = ["llama:guarantee", "qwen3_5:guarantee"]
-    root = Path(next(iter(tp_models.values()))).parent
-    _torchrun([str(ROOT / "tests" / "helpers" / "tp_case.py"), str(root), str(tmp_path / "tp"), *cases], tmp_path)
-    ranks = [torch.load(tmp_path / "tp" / f"rank{r}.pt", weights_only=True) for r in range(2)]
-    torch.set_num_threads(1)
+    ranks = _rank_results(tp_models, tmp_path, cases)
     for case in cases:
         arch = case.split(":")[0]
         ref = tp_case.run_case(tp_models[arch], tmp_path / "one" / arch, 1, guarantee=True)
@@ -212,10 +216,7 @@ def test_tp2_held_aside_objective_and_probe_equal_one_process(tp_models, tmp_pat
     products summed over the ranks) equal the single process's, to float summation order; the
     replayed measurement equals the full one; both ranks hold the very same numbers."""
     cases = ["llama:probe", "qwen3:probe", "qwen3_5:probe", "lfm2:probe"]
-    root = Path(next(iter(tp_models.values()))).parent
-    _torchrun([str(ROOT / "tests" / "helpers" / "tp_case.py"), str(root), str(tmp_path / "tp"), *cases], tmp_path)
-    ranks = [torch.load(tmp_path / "tp" / f"rank{r}.pt", weights_only=True) for r in range(2)]
-    torch.set_num_threads(1)
+    ranks = _rank_results(tp_models, tmp_path, cases)
     for case in cases:
         arch = case.split(":")[0]
         ref = tp_case.probe_case(tp_models[arch], tmp_path / "one" / arch, 1)
@@ -242,10 +243,7 @@ def test_tp2_search_runs_on_every_rank_and_takes_the_single_process_moves(tp_mod
     writes the same assignment, each kept move lowered the measured KL, and the moves, the
     written assignment and the KLs are the single process's."""
     cases = ["llama:search", "qwen3_5:search"]
-    root = Path(next(iter(tp_models.values()))).parent
-    _torchrun([str(ROOT / "tests" / "helpers" / "tp_case.py"), str(root), str(tmp_path / "tp"), *cases], tmp_path)
-    ranks = [torch.load(tmp_path / "tp" / f"rank{r}.pt", weights_only=True) for r in range(2)]
-    torch.set_num_threads(1)
+    ranks = _rank_results(tp_models, tmp_path, cases)
     kept = 0
     for case in cases:
         arch = case.split(":")[0]
