@@ -54,9 +54,9 @@ def child(tokens: int, vocab: int, hidden: int, dtype: str) -> None:
     (ce + kl).backward()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print("LOSS_PEAK", peak - before, flush=True)
-    from voodoo_quant.parallel import shutdown
+    from voodoo_quant.parallel import leave
 
-    shutdown(sync=True)  # meet, then tear down (a rank leaving first can abort in gloo)
+    leave()  # meet, tear down, exit without the interpreter's teardown (gloo can abort there)
 
 
 def main() -> None:

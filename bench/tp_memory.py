@@ -75,9 +75,9 @@ def rank_main(d: Path, out: Path, mode: str, seq: int, dtype: str) -> None:
     after_step = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     rank = dist.get_rank()
     (out / f"{mode}-rank{rank}.json").write_text(json.dumps({"prepare": after_prepare, "step": after_step}))
-    from voodoo_quant.parallel import shutdown
+    from voodoo_quant.parallel import leave
 
-    shutdown(sync=True)  # meet, then tear down (a rank leaving first can abort in gloo)
+    leave()  # meet, tear down, exit without the interpreter's teardown (gloo can abort there)
 
 
 def run(d: Path, out: Path, mode: str, seq: int, dtype: str) -> list[dict]:

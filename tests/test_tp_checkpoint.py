@@ -30,7 +30,8 @@ def test_partitioned_checkpoint_gives_the_same_gradients(models, tmp_path, ggml_
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                         str(ROOT / "tests" / "helpers" / "tp_ckpt_case.py"), str(models), str(tmp_path)],
                        capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
-    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    written = sorted(f.name for f in tmp_path.glob("rank*.pt"))  # an abort before or after the outputs
+    assert p.returncode == 0, (written, (p.stdout + p.stderr)[-4000:])
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
     for r, res in enumerate(ranks):
         assert res["layers"] == 2 and res["n_partitioned"] == 2, r  # every decoder layer, on every rank

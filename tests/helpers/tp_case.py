@@ -141,9 +141,9 @@ def main(argv: list[str]) -> None:
         results[case]["whole_loads"] = len(whole)
     rank = dist.get_rank()
     torch.save(results, out / f"rank{rank}.pt")
-    from voodoo_quant.parallel import shutdown
+    from voodoo_quant.parallel import leave
 
-    shutdown(sync=True)
+    leave()
 
 
 if __name__ == "__main__":

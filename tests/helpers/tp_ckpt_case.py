@@ -49,9 +49,9 @@ def main(argv: list[str]) -> None:
         res.setdefault("runs", {})[mode] = {"ce": float(ce), "kl": float(kl),
                      "grads": {n: mq.gates.grad.clone() for n, mq in mixed_modules(run.student).items()}}
     torch.save(res, out / f"rank{dist.get_rank()}.pt")
-    from voodoo_quant.parallel import shutdown
+    from voodoo_quant.parallel import leave
 
-    shutdown(sync=True)  # meet, then tear down (a rank leaving first can abort in gloo)
+    leave()  # meet, tear down, exit without the interpreter's teardown (gloo can abort there)
 
 
 if __name__ == "__main__":

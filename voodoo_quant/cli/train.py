@@ -92,7 +92,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Train the gates under the size budget, bake, and write the assignment."""
         from ..training.report import print_dry_run, print_result, progress_reporter
-        from ..parallel import launched_rank, shutdown
+        from ..parallel import launched_rank, leave, shutdown
         from ..training.setup import tiny
         from ..training.trainer import Trainer
 
@@ -106,8 +106,7 @@ def register(app: typer.Typer) -> None:
                 return
             if cfg.tensor_parallel > 1 and launched_rank() > 0:  # rank 0 reports and writes; the others compute
                 Trainer(cfg).train()
-                shutdown(sync=True)
-                return
+                leave()
             trainer = Trainer(cfg, progress=True)
             with progress_reporter(console, trainer) as (on_step, on_search):
                 trainer.on_step = on_step
@@ -116,7 +115,7 @@ def register(app: typer.Typer) -> None:
                 result = trainer.train()
             print_result(console, trainer.run, result)
             if cfg.tensor_parallel > 1:
-                shutdown(sync=True)  # after rank 0 has written and reported
+                leave()  # after rank 0 has written and reported
         finally:
             if cfg.tensor_parallel > 1:
                 shutdown()
