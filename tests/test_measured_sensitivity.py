@@ -58,9 +58,10 @@ def test_each_entry_is_the_kl_of_the_model_with_that_one_tensor_at_that_rung(mea
                 dict(student.named_parameters())[plan.name].copy_(wq)
             direct = _kl(teacher, student, calib)
             assert direct > 0
-            # float32 forwards in another order than the replayed one: agreement to float32 rounding
-            print("REL", plan.name, t, direct, run.sensitivity[plan.name][k] - direct)
-            assert run.sensitivity[plan.name][k] == pytest.approx(direct, rel=2e-3, abs=1e-9), (plan.name, t)
+            # float32 forwards in another order than the replayed one: agreement to float32 rounding,
+            # which moves the KL by an absolute ~1e-8 here (measured up to 2.9e-8 on an AMD EPYC
+            # host), so a Q8_0 entry of 7e-6 is held to that, not to 2e-3 of itself
+            assert run.sensitivity[plan.name][k] == pytest.approx(direct, rel=2e-3, abs=5e-8), (plan.name, t)
         row = run.sensitivity[plan.name]
         assert row[plan.menu.types.index("Q8_0")] < row[plan.menu.types.index("Q2_K")]
 

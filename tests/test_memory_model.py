@@ -76,6 +76,26 @@ def test_terms_follow_the_flags(gate_model_dir, tmp_path):
     assert _term(tp2c, "activations") < _term(ckpt, "activations")
 
 
+def test_the_guarantees_off_menu_candidates_are_planned_as_the_trainer_holds_them(gate_model_dir, tmp_path):
+    """The references' types off the menu (a stock recipe's Q6_K, a uniform Q3_K) are quantized in
+    the setup and held packed to the end of the run: the plan counts the very bytes the trainer
+    keeps, in the training phase of a CPU run and at the loading peak."""
+    from voodoo_quant.training.trainer import Trainer
+
+    flags = ["--model", str(gate_model_dir / "model"), "--data_dir", str(gate_model_dir / "data"), "--output_dir",
+             str(tmp_path / "run"), "--candidate_types", "Q8_0", "Q4_K", "Q2_K", "--compression_ratio", "0.6",
+             "--seq_len", "32", "--batch_size", "2", "--max_steps", "1"]
+    mem = _mem(flags)
+    planned = _term(mem, "guarantee's off-menu")
+    assert next(t.bytes for t in mem.host if t.name.startswith("guarantee's off-menu")) == planned
+    tr = Trainer(parse_train_flags(flags))
+    tr.prepare()
+    held = sum(len(b) for b in tr.run.extra_blobs.values())
+    assert held > 0 and planned == held, (planned, held, sorted({t for _, t in tr.run.extra_blobs}))
+    for off in (["--no_guarantee"], ["--search_sequences", "0"]):
+        assert not any(t.name.startswith("guarantee's off-menu") for t in [*_mem(flags + off).device, *_mem(flags + off).host])
+
+
 def _sens(mem):
     return [t for t in mem.host if t.name.startswith("sensitivity pass")]
 

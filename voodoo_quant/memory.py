@@ -121,10 +121,12 @@ def _rank_numel(name: str, shape: Sequence[int], tp_plan, world: int) -> int:
 
 
 def plan_memory(cfg, model: nn.Module, plans: Sequence, *, adapter=None, tp_plan=None, world: int = 1,
-                capacity: float | None = None, device_kind: str | None = None, replan=None) -> MemoryPlan:
+                capacity: float | None = None, device_kind: str | None = None, replan=None,
+                covered: set[str] | None = None) -> MemoryPlan:
     """The memory plan of `cfg` (a TrainConfig) for `model` (a skeleton or loaded model, not yet
     split or gated) with its `plans`; `tp_plan` / `world` for a tensor-parallel rank. `replan`
-    (changes -> MemoryPlan) lets the plan say which flag changes would make it fit."""
+    (changes -> MemoryPlan) lets the plan say which flag changes would make it fit. `covered`: the
+    GGUF names the imatrix holds (default: every tensor with --imatrix, none without)."""
     from .parallel import decoder_layers
 
     db = DTYPE_BYTES[cfg.dtype]
@@ -248,6 +250,15 @@ def plan_memory(cfg, model: nn.Module, plans: Sequence, *, adapter=None, tp_plan
     loss = loss_chunk_bytes(chunk, v_rank, db) + 2 * n_tok * hidden * db
     mp.device.append(Term("loss chunk (logits, log-softmax, KL)", loss,
                           f"{chunk} tokens x {v_rank} vocab" + ("" if cfg.loss_chunk_size > 0 else "; --loss_chunk_size bounds it")))
+    # the guarantee's off-menu candidates, packed in RAM from the setup to the end of the run
+    from .memory_phases import references_bytes
+
+    if covered is None:
+        covered = {p.gguf_name for p in plans if p.gguf_name} if cfg.imatrix else set()
+    refs, refs_note = references_bytes(cfg, model, plans, covered, world) if cfg.measures else (0.0, "")
+    refs_term = Term("guarantee's off-menu candidates (packed, in RAM)", refs, refs_note) if refs else None
+    if refs_term and kind == "cpu":  # a CPU run's device is that RAM, through training too
+        mp.device.append(refs_term)
     if cfg.measures:  # the guarantee and the search: their own phase after training (memory_phases.py)
         from .memory_phases import measure_phase
         from .training.losses import chunk_reason
@@ -257,7 +268,8 @@ def plan_memory(cfg, model: nn.Module, plans: Sequence, *, adapter=None, tp_plan
                               probe_mixed=next(t.bytes for t in mp.device if t.name.startswith("mixed weights")),
                               probe_activations=act_bytes / B,
                               probe_loss=loss_chunk_bytes(min(cfg.loss_chunk_size or T, T - 1), v_rank, db))
-        kept = cand + others * db + n_gates * (4 * 4 + 8) + (0 if on_host_teacher else sum(t.bytes for t in teacher_terms))
+        kept = (cand + others * db + n_gates * (4 * 4 + 8) + (0 if on_host_teacher else sum(t.bytes for t in teacher_terms))
+                + (refs if kind == "cpu" else 0.0))
         over = kept + phase.extra - mp.device_total
         mp.device.append(Term("post-bake measurements: above training" if over > 0 else "post-bake measurements",
                               max(0.0, over), f"own phase, peak {(kept + phase.extra) / GB:.2f} GB: {phase.note}"))
@@ -285,6 +297,8 @@ def plan_memory(cfg, model: nn.Module, plans: Sequence, *, adapter=None, tp_plan
         mp.host.append(Term("one tensor's candidate bytes", sum(max(p.sizes) for p in plans[:1]) * 2))
     if on_host_teacher:
         mp.host.append(Term("teacher weights (--teacher_device)", t_bytes))
+    if refs_term:  # made while the loaded weights are still there (training/references.py)
+        mp.host.append(refs_term)
     if cfg.needs_sensitivity:
         from .memory_phases import sensitivity_term
 
@@ -451,6 +465,7 @@ def dry_run(cfg, world: int | None = None) -> DryRun:
                   if layout_for and (lay := layout_for(n, tuple(w.shape))) is not None}
         notes.append(f"--imatrix {cfg.imatrix} does not exist yet: planned as if it covered every tensor")
     plans = plan_model(model, adapter, cfg.menus, imatrix_names=names, layout_for=layout_for)
+    covered = set(names or ())
     budget = make_budget(plans, compression_ratio=cfg.compression_ratio, target_bits=cfg.target_bits,
                          budget_reduction=cfg.budget_reduction, tolerance=cfg.size_tolerance)
     from .parallel import plan_tp
@@ -460,7 +475,7 @@ def dry_run(cfg, world: int | None = None) -> DryRun:
     def plan_for(c, w: int, replan=None) -> MemoryPlan:
         tp_plan = plan_tp(model, adapter, w, plans) if w > 1 else None
         return plan_memory(c, model, plans, adapter=adapter, tp_plan=tp_plan, world=w, capacity=capacity,
-                           replan=replan)
+                           replan=replan, covered=covered)
 
     def replan(change: dict) -> MemoryPlan:
         change = dict(change)

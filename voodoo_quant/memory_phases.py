@@ -75,6 +75,37 @@ def measure_phase(cfg, *, db: int, hidden: int, vocab_rank: int, n_layers: int, 
     return MeasurePhase(max(served, probe) + teacher + prefix, note + " GB")
 
 
+def references_bytes(cfg, model: nn.Module, plans: Sequence, covered: set[str], world: int = 1) -> tuple[float, str]:
+    """The packed candidates of the guarantee's off-menu types (``training/references.py``: a stock
+    recipe's Q6_K where the menu has none), made in the trainer's setup and held in RAM to the end
+    of the run, with a note of which types. The same references the trainer plans: the uniform
+    files and stock recipes that fit the budget (the knapsack is made of menu types). 0 without
+    the guarantee and under tensor parallelism (a rank measures the references of menu types)."""
+    if not cfg.guarantee or world > 1:
+        return 0.0, ""
+    from . import recipes
+    from .budget import make_budget
+    from .training.guarantee import plan_references, rung_bytes
+
+    budget = make_budget(plans, compression_ratio=cfg.compression_ratio, target_bits=cfg.target_bits,
+                         budget_reduction=cfg.budget_reduction, tolerance=cfg.size_tolerance)
+    config = getattr(model, "config", None)
+
+    def stock(ftype: str):
+        try:
+            return recipes.stock_types(plans, config, ftype, has_imatrix=bool(covered))
+        except recipes.RecipeError:
+            return None
+
+    refs = plan_references(plans, budget.upper_bytes, covered=covered, stock=stock, stock_ftypes=cfg.stock_references,
+                           menu_types=sorted({t for p in plans for t in p.menu.types}))
+    by = {p.name: p for p in plans}
+    total = float(sum(rung_bytes(by[n], t) for n, types in refs.extra.items() for t in types))
+    kinds = sorted({t for types in refs.extra.values() for t in types})
+    refs_named = ", ".join(c.name for c in refs.candidates)
+    return total, (f"{', '.join(kinds)} for {refs_named}" if kinds else "")
+
+
 def sensitivity_term(cfg, model: nn.Module, plans: Sequence, full: int, world: int, hidden: int,
                      n_layers: int, skeleton: bool) -> Term:
     """The sensitivity pass (training/sensitivity.py). On a loaded model it runs at the loading

@@ -58,7 +58,8 @@ class References:
     extra: dict[str, set[str]] = field(default_factory=dict)  # tensor -> off-menu types the candidates use
 
 
-def _bytes(plan, qtype: str) -> int:
+def rung_bytes(plan, qtype: str) -> int:
+    """The GGUF bytes of tensor `plan` at `qtype`."""
     return qt.get(qtype).row_bytes(plan.n_per_row) * plan.rows
 
 
@@ -86,7 +87,7 @@ def plan_references(plans: Sequence, hi: float, *, covered: set[str], knapsack: 
                 break
             types[p.name] = u
         else:
-            total = sum(_bytes(p, types[p.name]) for p in plans)
+            total = sum(rung_bytes(p, types[p.name]) for p in plans)
             if total <= hi:
                 uniform.append(Candidate(f"uniform {qt.get(t).name}", types, total))
     uniform = _largest_distinct(uniform, MEASURE_UNIFORM)
@@ -95,7 +96,7 @@ def plan_references(plans: Sequence, hi: float, *, covered: set[str], knapsack: 
         types = stock(f)
         if not types or set(types) != {p.name for p in plans}:
             continue
-        total = sum(_bytes(p, types[p.name]) for p in plans)
+        total = sum(rung_bytes(p, types[p.name]) for p in plans)
         if total <= hi:
             stocks.append(Candidate(f"stock {f}", dict(types), total))
     stocks = _largest_distinct(stocks, MEASURE_STOCK)
@@ -131,4 +132,4 @@ def pin(c: Candidate, baked: Mapping[str, str], plans: Sequence, upgrades) -> Ca
         return c
     by = {p.name: p for p in plans}
     types = {n: (baked[n] if is_pinned(n, upgrades) else t) for n, t in c.types.items()}
-    return Candidate(c.name, types, sum(_bytes(by[n], t) for n, t in types.items()))
+    return Candidate(c.name, types, sum(rung_bytes(by[n], t) for n, t in types.items()))
