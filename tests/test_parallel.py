@@ -184,8 +184,9 @@ def test_tp2_equals_single_process_for_every_adapter(tp_models, tmp_path):
 @pytest.mark.slow
 def test_tp2_guarantee_measures_what_one_process_measures(tp_models, tmp_path):
     """Under TP the guarantee measures its candidates across the ranks (vocabulary-sharded KL on
-    the held-aside sequences): the gates' bake, the knapsack, and the references made of menu
-    types get the single process's held-aside KL, the best one is written, and every rank agrees."""
+    the held-aside sequences): the gates' bake, the knapsack and every reference, those with
+    types off the menu too (a rank serves its shard of their bytes), get the single process's
+    held-aside KL, the best one is written, and every rank agrees."""
     cases = ["llama:guarantee", "qwen3_5:guarantee"]
     ranks = _rank_results(tp_models, tmp_path, cases)
     for case in cases:
@@ -196,7 +197,9 @@ def test_tp2_guarantee_measures_what_one_process_measures(tp_models, tmp_path):
             g = res[case]["guarantee"]
             got = {c["name"]: c for c in g["candidates"]}
             assert {"gates", "gates+polish", "knapsack"} <= set(got), (case, r, sorted(got))
-            assert set(got) <= set(one)  # the references of menu types only
+            assert set(got) == set(one), (case, r, sorted(got), sorted(one))  # off-menu references too
+            assert res[case]["off_menu"]["references"], case  # which a rank once skipped
+            assert "ShardedPacked" in res[case]["off_menu"]["held"].values(), case  # a split tensor's, sharded
             for name, c in got.items():
                 assert c["bytes"] == one[name]["bytes"], (case, r, name)
                 assert c["kl"] == pytest.approx(one[name]["kl"], rel=1e-4), (case, r, name)

@@ -255,7 +255,7 @@ def plan_memory(cfg, model: nn.Module, plans: Sequence, *, adapter=None, tp_plan
 
     if covered is None:
         covered = {p.gguf_name for p in plans if p.gguf_name} if cfg.imatrix else set()
-    refs, refs_note = references_bytes(cfg, model, plans, covered, world) if cfg.measures else (0.0, "")
+    refs, refs_note = references_bytes(cfg, model, plans, covered, frac) if cfg.measures else (0.0, "")
     refs_term = Term("guarantee's off-menu candidates (packed, in RAM)", refs, refs_note) if refs else None
     if refs_term and kind == "cpu":  # a CPU run's device is that RAM, through training too
         mp.device.append(refs_term)

@@ -23,6 +23,10 @@ training leaves resident (candidates, teacher, other weights, gates) the phase h
   committed assignment's decoder-layer outputs, kept only when they fit in
   ``PREFIX_CACHE_BYTES``.
 
+**The guarantee's off-menu candidates** (training/references.py): the references' types that are
+on no tensor's menu, quantized in the setup and held packed in RAM to the end of the run
+(:func:`references_bytes`); a tensor-parallel rank holds the bytes of its shards.
+
 ``--search_sequences`` counts the held-aside sequences. ``hold_aside`` keeps at most a quarter of
 the tokens file, so on a small file this is an upper bound.
 """
@@ -30,7 +34,7 @@ the tokens file, so on a small file this is an upper bound.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch.nn as nn
 
@@ -75,13 +79,14 @@ def measure_phase(cfg, *, db: int, hidden: int, vocab_rank: int, n_layers: int, 
     return MeasurePhase(max(served, probe) + teacher + prefix, note + " GB")
 
 
-def references_bytes(cfg, model: nn.Module, plans: Sequence, covered: set[str], world: int = 1) -> tuple[float, str]:
+def references_bytes(cfg, model: nn.Module, plans: Sequence, covered: set[str],
+                     frac: Mapping[str, float] | None = None) -> tuple[float, str]:
     """The packed candidates of the guarantee's off-menu types (``training/references.py``: a stock
     recipe's Q6_K where the menu has none), made in the trainer's setup and held in RAM to the end
     of the run, with a note of which types. The same references the trainer plans: the uniform
-    files and stock recipes that fit the budget (the knapsack is made of menu types). 0 without
-    the guarantee and under tensor parallelism (a rank measures the references of menu types)."""
-    if not cfg.guarantee or world > 1:
+    files and stock recipes that fit the budget (the knapsack is made of menu types). `frac`: the
+    share of each tensor a tensor-parallel rank holds (its shard's bytes). 0 without the guarantee."""
+    if not cfg.guarantee:
         return 0.0, ""
     from . import recipes
     from .budget import make_budget
@@ -100,7 +105,7 @@ def references_bytes(cfg, model: nn.Module, plans: Sequence, covered: set[str], 
     refs = plan_references(plans, budget.upper_bytes, covered=covered, stock=stock, stock_ftypes=cfg.stock_references,
                            menu_types=sorted({t for p in plans for t in p.menu.types}))
     by = {p.name: p for p in plans}
-    total = float(sum(rung_bytes(by[n], t) for n, types in refs.extra.items() for t in types))
+    total = float(sum(rung_bytes(by[n], t) * (frac or {}).get(n, 1.0) for n, types in refs.extra.items() for t in types))
     kinds = sorted({t for types in refs.extra.values() for t in types})
     refs_named = ", ".join(c.name for c in refs.candidates)
     return total, (f"{', '.join(kinds)} for {refs_named}" if kinds else "")

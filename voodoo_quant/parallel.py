@@ -438,8 +438,9 @@ def sync_gate_grads(gates: Sequence[torch.Tensor], tp: TPContext) -> None:
         off += n
 
 
-def check_same_choice(choice: Mapping[str, int], tp: TPContext) -> None:
-    """Every rank must bake the same assignment (same gates, same deterministic bake)."""
+def check_same_choice(choice: Mapping[str, int | str], tp: TPContext) -> None:
+    """Every rank must bake the same assignment (same gates, same deterministic bake): tensor ->
+    menu index, or tensor -> type after the guarantee and the search."""
     mine = sorted(choice.items())
     every = tp.all_gather_object(mine)
     if any(o != mine for o in every):

@@ -320,8 +320,9 @@ class ShardedPacked:
 
     @classmethod
     def build(cls, plan: TensorPlan, blobs: Sequence[bytes], shard, rank: int, world: int,
-              device, dtype: torch.dtype) -> "ShardedPacked":
-        types = tuple(plan.menu.types)
+              device, dtype: torch.dtype, types: Sequence[str] | None = None) -> "ShardedPacked":
+        """`blobs` of the menu's rungs, or of `types` (the guarantee's off-menu candidates)."""
+        types = tuple(plan.menu.types if types is None else types)
         R, C = plan.rows, plan.n_per_row
         sel = shard.index(rank, world).numpy()
         full_shape = tuple(plan.shape)

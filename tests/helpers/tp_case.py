@@ -58,8 +58,7 @@ def config(d: Path, out: Path, tp: int, **kw):
     base = dict(model=str(d / "model"), data_dir=str(d / "data"), seq_len=32, batch_size=2, max_steps=3,
                 compression_ratio=0.62, candidate_types=MENU, output_dir=str(out), tensor_parallel=tp,
                 loss_chunk_size=24, lr=0.5,
-                # the bake alone on both sides: under TP the guarantee and the search do not run
-                guarantee=False, search_evals=0)
+                guarantee=False, search_evals=0)  # the bake alone on both sides, unless a case asks
     base.update(kw)
     return TrainConfig(**base)
 
@@ -78,11 +77,21 @@ def run_case(d: Path, out: Path, tp: int, **kw) -> dict:
             "history": [(h.ce, h.kl, h.expected_bytes) for h in res.history],
             "choice": dict(sorted(res.bake.choice.items())), "total_bytes": res.bake.total_bytes,
             "written": {n: t.qtype for n, t in sorted(res.assignment.tensors.items())},
-            "guarantee": res.assignment.meta.get("guarantee")}
+            "guarantee": res.assignment.meta.get("guarantee"), "off_menu": _off_menu(run)}
 
 
-# without the guarantee: its references add off-menu rungs in one process that a TP rank lacks
-SEARCH = dict(guarantee=False, search_evals=8, search_sequences=2)
+def _off_menu(run) -> dict:
+    """The references with types off their tensors' menus, and the rungs each rank holds for them
+    (bytes whole, or its shard's: student.ShardedPacked)."""
+    by = {p.name: p for p in run.plans}
+    refs = sorted(c.name for c in (run.references.candidates if run.references else ())
+                  if any(t not in by[n].menu.types for n, t in c.types.items()))
+    held = {f"{n}:{t}": type(b).__name__ for (n, t), b in sorted(run.extra_blobs.items())}
+    return {"references": refs, "held": held}
+
+
+# from the guarantee's winner, its references' off-menu rungs on the search's ladder
+SEARCH = dict(guarantee=True, search_evals=8, search_sequences=2)
 
 
 def probe_case(d: Path, out: Path, tp: int) -> dict:

@@ -33,9 +33,14 @@ class Outcome:
                 "search": self.search}
 
 
-def _extra_weights(plan, blobs: Mapping[str, bytes], device: torch.device) -> Callable[[str], torch.Tensor]:
+def _extra_weights(plan, held: Mapping[str, object], device: torch.device) -> Callable[[str], torch.Tensor]:
+    """An off-menu type -> its weight on `device`, dequantized from what the run holds: the whole
+    tensor's bytes, or a tensor-parallel rank's shard of them (``student.ShardedPacked``)."""
+    from ..student import ShardedPacked
+
     def make(qtype: str) -> torch.Tensor:
-        return plan.dequantize(blobs[qtype], qtype).to(device)
+        h = held[qtype]
+        return (h(0) if isinstance(h, ShardedPacked) else plan.dequantize(h, qtype)).to(device)
     return make
 
 
@@ -45,7 +50,7 @@ def improve(run, gate_choices: Sequence[tuple[str, Mapping[str, int]]], *,
     references on the held-aside split, then search from the best. Leaves the student as it was.
     Under tensor parallelism every rank measures and searches together (the same values, so the
     same decisions, on each; rank 0 alone writes the journal, every rank resumes from it), and
-    only the references made of menu types are measured."""
+    a split tensor's off-menu rungs come from the rank's shard of their bytes."""
     cfg, plans = run.cfg, run.plans
     hi = float(run.budget.upper_bytes)
     lo = run.budget.target_bytes * (1.0 - run.budget.tolerance)
@@ -60,8 +65,7 @@ def improve(run, gate_choices: Sequence[tuple[str, Mapping[str, int]]], *,
              for name, ch in gate_choices]
     for ref in run.references.candidates if run.references else ():
         c = pin(ref, baked, plans, cfg.upgrades)
-        # a tensor-parallel rank holds its shards of the menu's candidates only (references.py)
-        if c.total_bytes <= hi and (run.tp is None or all(t in by[n].menu.types for n, t in c.types.items())):
+        if c.total_bytes <= hi:
             cands.append(c)
     for c in cands:
         for n, t in c.types.items():

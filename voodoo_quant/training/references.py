@@ -24,11 +24,28 @@ def plan_references_for(run, base, vectors, imx, *, progress: bool = False) -> N
     refs = plan_references(run.plans, run.budget.upper_bytes, covered=set(vectors), knapsack=knap, stock=stock,
                            stock_ftypes=cfg.stock_references, menu_types=menu_types)
     run.references = refs
-    if run.tp is not None:  # a rank holds its shards of the menu's candidates only: no off-menu rungs
-        run.extra_blobs = {}  # (finalize.improve measures the references made of menu types)
-        return
     weights = reader_weights(base, run.plans)  # a --lazy skeleton's are read one at a time
-    run.extra_blobs = extra_candidate_blobs(run.plans, weights, vectors, refs.extra, progress=progress)
+    run.extra_blobs = extra_candidate_blobs(run.plans, weights, vectors, refs.extra, progress=progress,
+                                            keep=_rank_shard(run) if run.tp is not None else None)
+
+
+def _rank_shard(run):
+    """(plan, type, bytes) -> what a tensor-parallel rank holds of an off-menu candidate: for a
+    split tensor the bytes its shard comes from (``student.ShardedPacked``, as a ``--lazy`` rank
+    holds the menu's), for a replicated one the whole bytes. Kept as each is read, so a rank never
+    holds the whole model's off-menu bytes."""
+    import torch
+
+    from ..student import ShardedPacked
+    from .setup import plan_shard
+
+    def keep(plan, qtype: str, blob: bytes):
+        sh = plan_shard(run.tp_plan, plan)
+        if sh is None:
+            return blob
+        return ShardedPacked.build(plan, [blob], sh, run.tp.rank, run.tp.world, torch.device("cpu"), torch.float32,
+                                   types=(qtype,))
+    return keep
 
 
 def complete_curvature(run, base, vectors, sens, *, save: bool = True) -> None:
@@ -36,7 +53,7 @@ def complete_curvature(run, base, vectors, sens, *, save: bool = True) -> None:
     off-menu types (the Fisher diagonal is recomputed only if a stored table lacked them); with
     `save`, stored with the table so the next size of a ladder finds these rungs."""
     from . import fisher, layerwise
-    from .setup import candidate_sources, reader_weights
+    from .setup import candidate_sources, extra_candidate_blobs, reader_weights
 
     cfg = run.cfg
     if run.curvature is None:
@@ -48,9 +65,11 @@ def complete_curvature(run, base, vectors, sens, *, save: bool = True) -> None:
     weights = reader_weights(base, run.plans)
     sources = candidate_sources(need, weights, vectors)
 
-    def blobs_for(p):
+    def blobs_for(p):  # the whole tensor's bytes, read from the cache (a TP rank holds its shard)
         blobs = dict(zip(p.menu.types, sources(p)))
-        blobs.update({t: b for (n, t), b in run.extra_blobs.items() if n == p.name})
+        extra = {t for (n, t) in run.extra_blobs if n == p.name}
+        if extra:
+            blobs.update({t: b for (_, t), b in extra_candidate_blobs([p], weights, vectors, {p.name: extra}).items()})
         return blobs
 
     calib = run.tokens[: cfg.sensitivity_sequences]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -106,7 +107,8 @@ class RunSetup:
     provenance: dict = field(default_factory=dict)  # Assignment provenance fields (provenance.run_record)
     held_tokens: torch.Tensor | None = None  # sequences held aside from training (guarantee, search)
     references: object | None = None  # guarantee.References: the free assignments to beat
-    extra_blobs: dict[tuple[str, str], bytes] = field(default_factory=dict)  # (tensor, off-menu type) -> bytes
+    # (tensor, off-menu type) -> its bytes; a tensor-parallel rank's shard of them (student.ShardedPacked)
+    extra_blobs: dict[tuple[str, str], Any] = field(default_factory=dict)
 
 
 def hold_aside(tokens: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -248,9 +250,10 @@ def plan_shard(tp_plan, plan: TensorPlan):
 
 
 def extra_candidate_blobs(plans: list[TensorPlan], weights: dict[str, torch.Tensor], vectors: dict[str, np.ndarray],
-                          wanted: dict[str, set[str]], *, progress: bool = False) -> dict[tuple[str, str], bytes]:
+                          wanted: dict[str, set[str]], *, progress: bool = False, keep=None) -> dict[tuple[str, str], Any]:
     """(tensor, type) -> ggml bytes for types off a tensor's menu (the guarantee's references),
-    through the same cache, quantizer and imatrix vector as the menu's candidates."""
+    through the same cache, quantizer and imatrix vector as the menu's candidates; with `keep`
+    ((plan, type, bytes) -> what to hold), what it makes of each as it is read (a rank's shard)."""
     from .. import qtypes as qt
     from ..cache import CandidateCache
     from ..precache import CandidateJob, build_all
@@ -268,7 +271,9 @@ def extra_candidate_blobs(plans: list[TensorPlan], weights: dict[str, torch.Tens
     if not jobs:
         return {}
     report = build_all(jobs, CandidateCache(), progress=progress)
-    return {(j.name, j.qtype): report.paths[(j.name, j.qtype)].read_bytes() for j in jobs}
+    by = {p.name: p for p in plans}
+    keep = keep or (lambda plan, qtype, blob: blob)
+    return {(j.name, j.qtype): keep(by[j.name], j.qtype, report.paths[(j.name, j.qtype)].read_bytes()) for j in jobs}
 
 
 def candidate_blobs(plans: list[TensorPlan], weights: dict[str, torch.Tensor], vectors: dict[str, np.ndarray],

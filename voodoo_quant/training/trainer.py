@@ -129,9 +129,14 @@ class Trainer:
                                     progress=self.progress, need_curvature=need_curv, device=device)
             self.run.sensitivity, self.run.curvature = sens.table, sens.curvature
         if build and cfg.method == "gates" and self.measures:
-            plan_references_for(self.run, base, vectors, imx, progress=self.progress)
-            if cfg.searches:
-                complete_curvature(self.run, base, vectors, sens, save=self.is_main)
+            # rank 0 quantizes the references' off-menu candidates into the cache and extends the
+            # stored curvature to them; the others read both (every rank ranks moves alike)
+            with _main_first(tp):
+                plan_references_for(self.run, base, vectors, imx, progress=self.progress)
+                if cfg.searches:
+                    if not self.is_main:
+                        _reload_curvature(self.run, sens)
+                    complete_curvature(self.run, base, vectors, sens, save=self.is_main)
         if build and cfg.method == "gates":
             check_space(cfg, plans)
             init = methods.warm_start_logits(self.run) if cfg.warm_start else None
@@ -317,7 +322,7 @@ class Trainer:
             if run.tp is not None:  # every rank measured the same values: the same winner, checked
                 from ..parallel import check_same_choice
 
-                check_same_choice({n: by[n].menu.types.index(t) for n, t in types.items()}, run.tp)
+                check_same_choice(dict(types), run.tp)  # types: an off-menu reference may have won
         faults.hit("bake")
         tensors = {}
         for p in run.plans:
@@ -413,6 +418,15 @@ def _devices(cfg: TrainConfig, tp) -> list[torch.device]:
         # Under torchrun --device names the kind (the recipe says cuda:0): each rank takes its own GPU.
         spec = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
     return [resolve_device(spec)]
+
+
+def _reload_curvature(run, sens) -> None:
+    """A tensor-parallel rank after rank 0: the curvature rank 0 stored, off-menu rungs included."""
+    from .sensitivity import load_stored
+
+    stored = load_stored(sens.path, sens.key) if sens.path is not None and sens.key is not None else None
+    if stored is not None and stored[1] is not None:
+        sens.curvature = run.curvature = stored[1]
 
 
 class _main_first:
