@@ -2,7 +2,7 @@
 
 The reference recipe's largest flag-dependent term is the loss chunk: ``--loss_chunk_size`` tokens
 × this rank's vocabulary (62080 at 27B / TP-4) in float32. Here one checkpointed chunk of
-``parallel._tp_chunk`` (the rank's CE and KL, as ``tp_distill_terms`` runs it) goes forward and
+``training.tp_losses._tp_chunk`` (the rank's CE and KL, as ``tp_distill_terms`` runs it) goes forward and
 backward on the CPU in a one-process gloo group at the recipe's per-rank vocabulary; the peak RSS
 above what was held before (the hidden states and both heads, which are other terms of the model)
 is compared with :func:`voodoo_quant.memory.loss_chunk_bytes`. The hidden size does not enter the
@@ -36,7 +36,8 @@ def child(tokens: int, vocab: int, hidden: int, dtype: str) -> None:
     import torch.distributed as dist
     from torch.utils.checkpoint import checkpoint
 
-    from voodoo_quant.parallel import TPContext, _tp_chunk
+    from voodoo_quant.parallel import TPContext
+    from voodoo_quant.training.tp_losses import _tp_chunk
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29517")

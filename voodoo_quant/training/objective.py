@@ -263,7 +263,7 @@ class HeldAside:
 
 class TPHeldAside(HeldAside):
     """:class:`HeldAside` under tensor parallelism: each sequence through the vocabulary-sharded
-    loss (``parallel.tp_distill_terms``), so every rank gets the same per-sequence KL, the mean of
+    loss (``tp_losses.tp_distill_terms``), so every rank gets the same per-sequence KL, the mean of
     them as :class:`HeldAside` measures it (up to float summation order). The teacher's final
     hidden states are kept when they fit in ``TEACHER_CACHE_BYTES`` (its sharded head is
     re-applied to them), and the prefix replay works as in one process: a decoder layer's output
@@ -280,7 +280,7 @@ class TPHeldAside(HeldAside):
                          chunk_tokens=chunk_tokens, batch_size=1)
 
     def _prepare_teacher(self, teacher: nn.Module, tdev: torch.device) -> None:
-        from ..parallel import teacher_hidden_states
+        from .tp_losses import teacher_hidden_states
 
         self.teacher, self.teacher_device = teacher, tdev
         hidden = teacher.get_output_embeddings().weight.shape[-1]
@@ -290,7 +290,7 @@ class TPHeldAside(HeldAside):
             self._teacher = [teacher_hidden_states(teacher, ids.to(tdev)) for ids in self._batches()]
 
     def _kl_rows(self, ids: torch.Tensor, i: int, row0: int = 0) -> torch.Tensor:
-        from ..parallel import tp_distill_terms
+        from .tp_losses import tp_distill_terms
 
         _ce, kl = tp_distill_terms(self.student, self.teacher, ids, self.tp, chunk_tokens=self.chunk,
                                    teacher_device=self.teacher_device,

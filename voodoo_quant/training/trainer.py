@@ -394,7 +394,7 @@ def micro_backward(run: RunSetup, ids: torch.Tensor, router, acc_n: int, *, per_
     with routing.routed(run.student, router):  # backward inside: checkpoint recomputes route too
         with contextlib.nullcontext() if per_layer else parametrize.cached():
             if run.tp is not None:
-                from ..parallel import tp_distill_terms
+                from .tp_losses import tp_distill_terms
 
                 ce_m, kl_m = tp_distill_terms(run.student, run.teacher, ids, run.tp,
                                               chunk_tokens=cfg.loss_chunk_size, teacher_device=run.teacher_device)
