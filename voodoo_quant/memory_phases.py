@@ -88,20 +88,12 @@ def references_bytes(cfg, model: nn.Module, plans: Sequence, covered: set[str],
     share of each tensor a tensor-parallel rank holds (its shard's bytes). 0 without the guarantee."""
     if not cfg.guarantee:
         return 0.0, ""
-    from . import recipes
     from .budget import make_budget
-    from .training.guarantee import plan_references, rung_bytes
+    from .training.guarantee import plan_references, rung_bytes, stock_provider
 
     budget = make_budget(plans, compression_ratio=cfg.compression_ratio, target_bits=cfg.target_bits,
                          budget_reduction=cfg.budget_reduction, tolerance=cfg.size_tolerance)
-    config = getattr(model, "config", None)
-
-    def stock(ftype: str):
-        try:
-            return recipes.stock_types(plans, config, ftype, has_imatrix=bool(covered))
-        except recipes.RecipeError:
-            return None
-
+    stock = stock_provider(plans, getattr(model, "config", None), has_imatrix=bool(covered))
     refs = plan_references(plans, budget.upper_bytes, covered=covered, stock=stock, stock_ftypes=cfg.stock_references,
                            menu_types=sorted({t for p in plans for t in p.menu.types}))
     by = {p.name: p for p in plans}

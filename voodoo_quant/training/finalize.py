@@ -11,7 +11,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from ..menus import is_pinned
-from .guarantee import Candidate, pin
+from .guarantee import Candidate, pin, rung_bytes
 from .objective import HeldAside, TPHeldAside
 from .rungs import Rungs, menu_rungs, release, serve, types_of
 from .search import JOURNAL_NAME, SearchEvent, local_search, search_key
@@ -69,7 +69,7 @@ def improve(run, gate_choices: Sequence[tuple[str, Mapping[str, int]]], *,
             cands.append(c)
     for c in cands:
         for n, t in c.types.items():
-            rungs[n].add(t, by[n].sizes[by[n].menu.types.index(t)] if t in by[n].menu.types else _nbytes(by[n], t))
+            rungs[n].add(t, by[n].sizes[by[n].menu.types.index(t)] if t in by[n].menu.types else rung_bytes(by[n], t))
     if run.tp is not None:
         held = TPHeldAside(run.student, run.teacher, run.held_tokens, run.tp, device=run.device,
                            teacher_device=run.teacher_device, chunk_tokens=cfg.loss_chunk_size,
@@ -106,8 +106,3 @@ def improve(run, gate_choices: Sequence[tuple[str, Mapping[str, int]]], *,
         release(rungs)
     return Outcome(types, sizes, best.name, cands, search)
 
-
-def _nbytes(plan, qtype: str) -> int:
-    from .. import qtypes as qt
-
-    return qt.get(qtype).row_bytes(plan.n_per_row) * plan.rows

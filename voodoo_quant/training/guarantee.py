@@ -63,6 +63,19 @@ def rung_bytes(plan, qtype: str) -> int:
     return qt.get(qtype).row_bytes(plan.n_per_row) * plan.rows
 
 
+def stock_provider(plans: Sequence, config, has_imatrix: bool) -> Callable[[str], Mapping[str, str] | None]:
+    """ftype -> {tensor: type} stock llama-quantize writes for this model (``recipes.py``), or
+    None where the tool would refuse the ftype (it needs an imatrix the run lacks)."""
+    from .. import recipes
+
+    def stock(ftype: str) -> Mapping[str, str] | None:
+        try:
+            return recipes.stock_types(plans, config, ftype, has_imatrix=has_imatrix)
+        except recipes.RecipeError:
+            return None
+    return stock
+
+
 def uniform_types(plan, qtype: str, has_imatrix: bool) -> str | None:
     """The type tensor `plan` gets in a uniform `qtype` file (llama.cpp's fallback), or None
     when it would need an imatrix that does not cover the tensor."""

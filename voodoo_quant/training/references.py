@@ -8,7 +8,7 @@ from __future__ import annotations
 def plan_references_for(run, base, vectors, imx, *, progress: bool = False) -> None:
     """The free references of the guarantee (``guarantee.plan_references``) and the candidates of
     their off-menu types, on `run`."""
-    from .guarantee import plan_references
+    from .guarantee import plan_references, stock_provider
     from .setup import extra_candidate_blobs, reader_weights
 
     cfg = run.cfg
@@ -19,7 +19,7 @@ def plan_references_for(run, base, vectors, imx, *, progress: bool = False) -> N
         from .knapsack import greedy_layout
 
         knap = greedy_layout(run.plans, run.sensitivity, run.budget.upper_bytes)
-    stock = _stock_provider(run, base, imx)
+    stock = stock_provider(run.plans, getattr(base, "config", None), has_imatrix=imx is not None)
     menu_types = sorted({t for p in run.plans for t in p.menu.types})
     refs = plan_references(run.plans, run.budget.upper_bytes, covered=set(vectors), knapsack=knap, stock=stock,
                            stock_ftypes=cfg.stock_references, menu_types=menu_types)
@@ -83,18 +83,3 @@ def complete_curvature(run, base, vectors, sens, *, save: bool = True) -> None:
     if save:
         sens.save(run.plans)
 
-
-def _stock_provider(run, base, imx):
-    """ftype -> {tensor: type} of stock llama-quantize for this model (recipes.py), or None."""
-    try:
-        from .. import recipes
-    except ImportError:  # pragma: no cover - the recipe rules ship with the package
-        return None
-    config = getattr(base, "config", None)
-
-    def stock(ftype: str):
-        try:
-            return recipes.stock_types(run.plans, config, ftype, has_imatrix=imx is not None)
-        except recipes.RecipeError:
-            return None
-    return stock
