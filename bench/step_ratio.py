@@ -9,6 +9,9 @@ with the plain baselines on that batch, for several repeats:
   forward, ``(g * W_k).sum()`` per candidate in the backward), kept here as the reference;
 - ``mix=gemv``  the current ``layers._Mix`` (one matrix-vector product over the stacked
   candidates; one dot product per candidate in the backward);
+- ``mix=gemv, tied per module``  the same inside ``parametrize.cached()`` alone, as the trainer
+  ran before ``layers.cached()``: a tied embedding / LM head mixed (and its gradient dotted with
+  every candidate) once for each of its two modules;
 - ``+teacher cache``  the current mixture with the teacher's final hidden states read from a
   warm ``training/teacher_cache.py`` cache (what every size of a ladder after the first gets).
 
@@ -131,19 +134,25 @@ def main() -> None:
             logits = plain(input_ids=ids).logits[:, :-1]
             torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)).backward()
 
-    def step_with(mix, teacher_module):
+    def step_with(mix, teacher_module, cached=None):
         def go(step):
             layers._Mix = mix
+            layers.cached = cached or NEW_CACHED
             run.teacher = teacher_module
             try:
                 trainer._step(run, opt, step)
             finally:
                 layers._Mix = NEW_MIX
+                layers.cached = NEW_CACHED
                 run.teacher = teacher
         return go
 
-    NEW_MIX = layers._Mix
-    variants = {"mix=loop": step_with(LoopMix, teacher), "mix=gemv": step_with(NEW_MIX, teacher),
+    from torch.nn.utils import parametrize
+
+    NEW_MIX, NEW_CACHED = layers._Mix, layers.cached
+    variants = {"mix=loop": step_with(LoopMix, teacher, parametrize.cached),
+                "mix=gemv, tied per module": step_with(NEW_MIX, teacher, parametrize.cached),
+                "mix=gemv": step_with(NEW_MIX, teacher),
                 "mix=gemv + teacher cache": step_with(NEW_MIX, cached_teacher)}
     with torch.no_grad():  # warm the teacher cache on every batch the repeats use
         for step in range(a.repeats + 1):

@@ -103,6 +103,38 @@ def test_lazy_equals_eager_forward_and_gradients():
         assert torch.equal(outs[0][1][n], outs[1][1][n]), n
 
 
+def test_cached_mixes_a_tied_gate_set_once(monkeypatch):
+    """layers.cached(): the tied embedding / LM head is mixed once per forward (parametrize.cached()
+    alone mixes it for each module: 9 mixtures for 8 gate sets), the logits are bit-equal, and
+    the tied gates' gradient is the sum of both uses' (equal to float32 rounding)."""
+    from voodoo_quant import layers
+
+    real, calls = layers._Mix.forward, []
+
+    def counting(ctx, p, get, *args):
+        calls.append(get.shape if isinstance(get, torch.Tensor) else None)
+        return real(ctx, p, get, *args)
+
+    monkeypatch.setattr(layers._Mix, "forward", staticmethod(counting))
+    ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(2))
+    got = {}
+    for name, ctx in (("each module", parametrize.cached), ("once", layers.cached)):
+        model, plans, mixed = _student(tied=True)
+        calls.clear()
+        with ctx():
+            y = model(input_ids=ids).logits
+        y.square().mean().backward()
+        got[name] = (len(calls), y.detach(), {n: m.gates.grad.clone() for n, m in mixed.items()})
+    assert len(plans) == 8 and got["each module"][0] == 9 and got["once"][0] == 8
+    assert torch.equal(got["each module"][1], got["once"][1])
+    for n, g in got["once"][2].items():
+        # One float32 dot product per candidate of the summed gradient instead of one per use; a gate
+        # gradient is a difference of such nearly equal products, so the rounding shows at ~1e-5 of
+        # the largest. A use left out would be off by the order of the gradient itself.
+        torch.testing.assert_close(g, got["each module"][2][n], rtol=0, atol=1e-4 * float(g.abs().max()))
+    assert layers._shared is None  # the memo ends with the context
+
+
 def test_tied_embedding_is_one_gate_set_and_expected_size_matches_bytes():
     model, plans, mixed = _student(tied=True)
     names = [p.name for p in plans]

@@ -75,9 +75,11 @@ def test_same_gate_gradients_one_layer_alive(untied_dir, tmp_path, lazy, ggml_li
 
 
 def test_tied_embedding_gradients_agree(gate_model_dir, tmp_path, ggml_lib):
-    """A tied embedding / head is mixed once per use: its two gradient contributions are summed
-    after the dot products instead of before (<g1, W_k> + <g2, W_k> vs <g1 + g2, W_k>), so its
-    gate gradient agrees to float32 rounding; every other tensor is bitwise equal."""
+    """Mixed per layer, a tied embedding / head is mixed once per use and its two gradient
+    contributions are summed after the dot products; in the step-long cache (layers.cached) it is
+    mixed once and they are summed before (<g1, W_k> + <g2, W_k> vs <g1 + g2, W_k>). So its gate
+    gradient agrees to the float32 rounding of those products; every other tensor is bitwise
+    equal."""
     from voodoo_quant.training.config import TrainConfig
     from voodoo_quant.training.trainer import Trainer
 
@@ -92,7 +94,11 @@ def test_tied_embedding_gradients_agree(gate_model_dir, tmp_path, ggml_lib):
     assert tied in cached
     for name in cached:
         if name == tied:
-            scale = cached[name].abs().max()
-            assert torch.allclose(cached[name], per_layer[name], rtol=1e-5, atol=1e-6 * float(scale)), name
+            # A gate gradient is a difference of nearly equal dot products (the softmax Jacobian),
+            # so their rounding shows at a few % of this tiny model's gradients; a use left out or
+            # counted twice would be off by the tied gradient itself, which is well above that.
+            tol = 0.05 * max(float(g.abs().max()) for g in cached.values())
+            assert float(cached[name].abs().max()) > 3 * tol
+            assert torch.allclose(cached[name], per_layer[name], rtol=0, atol=tol), name
         else:
             assert torch.equal(cached[name], per_layer[name]), name

@@ -167,7 +167,10 @@ def test_tp2_equals_single_process_for_every_adapter(tp_models, tmp_path):
             assert got["kl"] == pytest.approx(ref["kl"], rel=1e-4), (case, r)
             assert set(got["grads"]) == set(ref["grads"])
             for n, g in ref["grads"].items():
-                tol = 2e-4 * float(g.abs().max()) + 1e-9
+                # A gate gradient is a difference of nearly equal dot products, which the shards sum
+                # in another order: 2.1e-4 of the largest entry measured (qwen3's LM head, on an AMD
+                # EPYC host); a wrong or missing shard's contribution is off by the order of 1.
+                tol = 5e-4 * float(g.abs().max()) + 1e-9
                 assert float((got["grads"][n] - g).abs().max()) <= tol, (case, r, n)
             for (ce, kl, eb), (ce0, kl0, eb0) in zip(got["history"], ref["history"]):
                 assert (ce, kl) == (pytest.approx(ce0, rel=1e-4), pytest.approx(kl0, rel=1e-3)), (case, r)

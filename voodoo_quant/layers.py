@@ -4,8 +4,10 @@ During training a selectable weight is the softmax mixture ``W = Σ_k p_k · W_k
 ``p = softmax(g / τ)``. The module is registered as a torch *parametrization* of the layer's
 ``weight`` (``torch.nn.utils.parametrize``), so the layer's own forward is untouched: any Linear,
 Embedding or subclass (scaled embeddings, ...) works, and a tied embedding / LM head is one
-``MixedQuant`` registered on both. Inside ``parametrize.cached()`` the mixture is computed once
-per forward call, not per token and not per use; under ``--gradient_checkpointing`` the trainer
+``MixedQuant`` registered on both. Inside :func:`cached` (``parametrize.cached()``, plus one
+mixture per ``MixedQuant`` however many modules it is registered on: a tied embedding and LM head
+are mixed once, not once each) the mixture is computed once per forward call, not per token and
+not per use; under ``--gradient_checkpointing`` the trainer
 mixes each layer's weights when the layer runs instead (``trainer.mixes_per_layer``), and a
 weight over ``MIX_CHUNK_ELEMENTS`` is mixed a block of rows at a time.
 
@@ -17,13 +19,36 @@ in backward instead of saving them: memory is the packed bytes plus one dense we
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+import contextlib
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.nn as nn
 from torch.nn.utils import parametrize
 
 CandidateFn = Callable[[int], torch.Tensor]
+
+
+# Inside cached(): each MixedQuant's weight by id, so a gate set registered on several modules
+# (a tied embedding and LM head) is mixed once, and its backward takes one pass over the
+# candidates with the modules' gradients already summed by autograd.
+_shared: dict[int, torch.Tensor] | None = None
+
+
+@contextlib.contextmanager
+def cached() -> Iterator[None]:
+    """``parametrize.cached()`` for gated models: every parametrized weight computed once, and
+    every ``MixedQuant`` once however many modules share it."""
+    global _shared
+    outer = _shared
+    if outer is None:
+        _shared = {}
+    try:
+        with parametrize.cached():
+            yield
+    finally:
+        if outer is None:
+            _shared = None
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -238,6 +263,15 @@ class MixedQuant(nn.Module):
 
     # -- parametrization forward --------------------------------------------------------------
     def forward(self, _original: torch.Tensor) -> torch.Tensor:
+        shared = _shared
+        if shared is not None and (w := shared.get(id(self))) is not None:
+            return w
+        w = self._weight()
+        if shared is not None:
+            shared[id(self)] = w
+        return w
+
+    def _weight(self) -> torch.Tensor:
         if self.override is not None:
             p, get, k = self.override
             return get(0).to(self.dtype) if p is None else _Mix.apply(p, get, k, self.dtype)

@@ -105,7 +105,7 @@ def distill_terms(
     student: nn.Module, teacher: nn.Module, ids: torch.Tensor, *, chunk_tokens: int = 0,
     teacher_device: torch.device | None = None, router=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(CE, KL) of one batch. The student forward runs inside ``parametrize.cached()`` (the
+    """(CE, KL) of one batch. The student forward runs inside ``layers.cached()`` (the
     caller's) or, under gradient checkpointing, mixes each layer's weights as it runs
     (``trainer.micro_backward``); the LM head's mixture is taken once here either way. The
     teacher runs on `teacher_device` (default: the student's) without grad."""

@@ -18,9 +18,8 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from torch.nn.utils import parametrize
 
-from .. import faults, fileio, provenance
+from .. import faults, fileio, layers, provenance
 from ..assignment import Assignment, TensorChoice
 from ..budget import size_penalty
 from ..errors import ConfigError
@@ -369,7 +368,7 @@ class Trainer:
 
 def mixes_per_layer(run: RunSetup, router) -> bool:
     """Whether a step mixes each gated weight when its layer runs (and again when the checkpoint
-    recomputes the layer in backward) instead of once per step in ``parametrize.cached()``.
+    recomputes the layer in backward) instead of once per step in ``layers.cached()``.
 
     Under ``--gradient_checkpointing`` the step-long cache would hold every layer's mixture at
     once (the rank's whole model in the training dtype: 13.45 GB at 27B / TP-4), while the
@@ -392,7 +391,7 @@ def micro_backward(run: RunSetup, ids: torch.Tensor, router, acc_n: int, *, per_
     if per_layer is None:
         per_layer = mixes_per_layer(run, router)
     with routing.routed(run.student, router):  # backward inside: checkpoint recomputes route too
-        with contextlib.nullcontext() if per_layer else parametrize.cached():
+        with contextlib.nullcontext() if per_layer else layers.cached():
             if run.tp is not None:
                 from .tp_losses import tp_distill_terms
 
