@@ -105,8 +105,10 @@ class _Mix(torch.autograd.Function):
     (eager) or a callable k -> W_k producing them on demand (lazy).
 
     Eager float32 candidates: the sum is one matrix-vector product over the stack, p @ W.view(K, -1)
-    (one pass over the candidates, no temporaries; on the CPU it gives the same bits as the
-    sequential sum below, tests/test_layers.py checks lazy == eager exactly). Otherwise the
+    (one pass over the candidates, no temporaries). It agrees with the sequential sum below to
+    float32 rounding, bit for bit where the BLAS neither fuses the multiply-add nor reorders
+    (tests/test_layers.py checks lazy == eager exactly on a tiny model; on an AMD EPYC host a
+    large stack's product differs from the loop's in the last bit). Otherwise the
     candidates are summed in order into one buffer, each product rounded to the accumulation
     dtype and then added, exactly as before, without allocating a temporary per candidate.
     Backward takes one dot product per candidate (no [shape] temporary either way), the same
