@@ -65,8 +65,14 @@ def test_ptqr_with_one_hot_gates_is_the_baked_model_and_keeps_the_soft_gate_grad
     assert torch.equal(ptqr_logits, baked)
     assert torch.equal(soft_logits, baked)
     nonzero = 0
+    uses = [m for _, m in run.student.named_modules(remove_duplicate=False)]
+    tied = {n for n, mq in run.mixed.items() if sum(m is mq for m in uses) > 1}
+    assert tied == {"model.embed_tokens.weight"}
     for n in run.mixed:
-        torch.testing.assert_close(ptqr_grads[n], soft_grads[n], rtol=1e-4, atol=0.0)
+        # A tied embedding / head: the soft step mixes it once and dots the sum of both uses'
+        # gradients (layers.cached), the routed one dots each use's: 1.3e-4 apart measured.
+        rtol = 1e-3 if n in tied else 1e-4
+        torch.testing.assert_close(ptqr_grads[n], soft_grads[n], rtol=rtol, atol=0.0, msg=n)
         nonzero += int((soft_grads[n] != 0).any())
     assert nonzero == len(run.mixed)  # the comparison is not between zeros
     # The swap is undone: the model is its plain parametrized self again.
