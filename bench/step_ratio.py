@@ -174,6 +174,12 @@ def main() -> None:
         r1 = statistics.median(x / p for x, p in zip(v, times["plain"]))
         r2 = statistics.median(x / p for x, p in zip(v, times["plain student"]))
         print(f"{k:28} {statistics.median(v):9.3f} {r1:8.2f} {r2:16.2f}")
+    base = times["mix=gemv"]
+    print("paired difference from mix=gemv (same repeat, same batch), mean ± s.e. over repeats:")
+    for k, v in times.items():
+        if k != "mix=gemv" and len(v) > 1:
+            d = [x - y for x, y in zip(v, base)]
+            print(f"  {k:28} {statistics.mean(d):+7.3f} ± {statistics.stdev(d) / len(d) ** 0.5:.3f} s")
 
 
 if __name__ == "__main__":
