@@ -2,7 +2,7 @@
 # bench/warm_start_ablation.sh: warm-start ablation of the two sensitivity kinds (issue 15 deliverable 4): held-aside KL of
 # the gates' bake, gates+polish and the guarantee's winner, per kind / size / seed.
 set -u
-cd /work/main
+cd "$(dirname "$0")/.."
 W=${WORK:-runs/demo/work}  # a `make demo` work dir: teacher HF dir, data, imatrix beside it
 OUT=runs/warm
 MENU="Q8_0 Q6_K Q5_K Q5_0 Q4_K IQ4_XS IQ4_NL Q3_K IQ3_S IQ2_S"
