@@ -2,8 +2,8 @@
 
 One trainer is prepared (``TrainConfig`` + ``Trainer.prepare``: the real student with its gated
 candidates, the teacher, Adam on the gates) and its step (``Trainer._step``: CE + λ·KL, backward
-to the gates, the size penalty, Adam) is timed in three variants on the same batch, interleaved
-with the plain baselines on that batch, for several repeats:
+to the gates, the size penalty, Adam) is timed in four variants on the same batch, interleaved
+with the plain baselines on that batch (every other repeat in reverse order), for several repeats:
 
 - ``mix=loop``  the soft mixture as it was before this bench (one temporary per candidate in the
   forward, ``(g * W_k).sum()`` per candidate in the backward), kept here as the reference;
@@ -157,11 +157,13 @@ def main() -> None:
     with torch.no_grad():  # warm the teacher cache on every batch the repeats use
         for step in range(a.repeats + 1):
             cached_teacher(input_ids=ids_at(step))
-    times = {k: [] for k in [*variants, "plain", "plain student"]}
+    runs = {"plain": plain_step, "plain student": lambda step: plain_step(step, False), **variants}
+    times = {k: [] for k in runs}
     for step in range(a.repeats + 1):
-        row = {"plain": timed(lambda: plain_step(step)), "plain student": timed(lambda: plain_step(step, False))}
-        for name, fn in variants.items():
-            row[name] = timed(lambda: fn(step))
+        # Every other repeat in reverse order: what one run leaves behind (freed memory, caches)
+        # falls on a different neighbour each time instead of always on the same one.
+        order = list(runs) if step % 2 == 0 else list(reversed(runs))
+        row = {name: timed(lambda: runs[name](step)) for name in order}
         if step == 0:
             continue  # warm-up
         for k, v in row.items():
