@@ -7,8 +7,10 @@ with the plain baselines on that batch (every other repeat in reverse order), fo
 
 - ``mix=loop``  the soft mixture as it was before this bench (one temporary per candidate in the
   forward, ``(g * W_k).sum()`` per candidate in the backward), kept here as the reference;
-- ``mix=gemv``  the current ``layers._Mix`` (one matrix-vector product over the stacked
-  candidates; one dot product per candidate in the backward);
+- ``mix=gemv``  the current step: ``layers._Mix`` (one matrix-vector product over the stacked
+  candidates; one dot product per candidate in the backward), each mixture written into a tensor
+  kept across steps (``layers.MixBuffers``);
+- ``mix=gemv, fresh mixtures``  the same with every mixture a fresh tensor, as before the buffers;
 - ``mix=gemv, tied per module``  the same inside ``parametrize.cached()`` alone, as the trainer
   ran before ``layers.cached()``: a tied embedding / LM head mixed (and its gradient dotted with
   every candidate) once for each of its two modules;
@@ -19,9 +21,13 @@ Baselines, at the same shape and tokens: ``plain`` = the same HF model with floa
 requiring grad, one forward + backward of the same loss (``losses.distill_terms``, teacher
 forward included), as ``bench/speed.py`` measures it; ``plain student`` = the student's forward +
 backward alone (CE, no teacher). Ratios are taken per repeat against the baseline measured in the
-same repeat; the medians are printed.
+same repeat. Printed per variant: the median of those ratios with a 95 % bootstrap interval
+(resampling repeats), and the ratio of the two minima (each side's least disturbed repeat: on a
+shared VM the noise only ever adds time). ``--variants`` times a subset, so that a long run of
+just the current step against its baselines fits in minutes.
 
     .venv/bin/python bench/step_ratio.py --model DIR [--imatrix F] [--seq_len 256] [--repeats 7]
+        [--variants mix=gemv]
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -46,6 +53,7 @@ apply_env_defaults(host_env_defaults(), os.environ)
 
 import torch  # noqa: E402
 
+VARIANTS = ("mix=loop", "mix=gemv, tied per module", "mix=gemv, fresh mixtures", "mix=gemv", "mix=gemv + teacher cache")
 MENU = ("Q8_0", "Q6_K", "Q5_K", "Q5_0", "Q4_K", "IQ4_XS", "IQ4_NL", "Q3_K", "IQ3_S", "IQ2_S")
 
 
@@ -53,7 +61,7 @@ class LoopMix(torch.autograd.Function):
     """The soft mixture before the stacked product (layers._Mix at commit 875f3be), for reference."""
 
     @staticmethod
-    def forward(ctx, p, get, k_count, dtype):  # noqa: D401
+    def forward(ctx, p, get, k_count, dtype, limit=None, buf=None):  # noqa: D401 (fresh tensors: no buffers)
         acc = torch.promote_types(dtype, torch.float32)
         cand = (lambda k: get[k]) if isinstance(get, torch.Tensor) else get
         out = None
@@ -69,13 +77,20 @@ class LoopMix(torch.autograd.Function):
         (p,) = ctx.saved_tensors
         g = grad_w.to(ctx.acc)
         grads = torch.stack([(g * ctx.cand(k).to(ctx.acc)).sum() for k in range(ctx.k_count)])
-        return grads.to(p.dtype), None, None, None
+        return grads.to(p.dtype), None, None, None, None, None
 
 
 def timed(fn) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
+
+
+def median_ci(ratios: list[float], draws: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95 % percentile-bootstrap interval of the median of `ratios` (repeats resampled)."""
+    rng = random.Random(seed)
+    meds = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(draws))
+    return meds[int(0.025 * draws)], meds[int(0.975 * draws) - 1]
 
 
 def main() -> None:
@@ -87,6 +102,8 @@ def main() -> None:
     ap.add_argument("--batch_size", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=7, help="timed repeats after one warm-up")
     ap.add_argument("--menu", nargs="+", default=list(MENU))
+    ap.add_argument("--variants", nargs="+", default=None, choices=VARIANTS,
+                    help="time only these trainer-step variants (default: all); the baselines always run")
     a = ap.parse_args()
 
     from voodoo_quant import fileio, layers
@@ -150,13 +167,23 @@ def main() -> None:
     from torch.nn.utils import parametrize
 
     NEW_MIX, NEW_CACHED = layers._Mix, layers.cached
-    variants = {"mix=loop": step_with(LoopMix, teacher, parametrize.cached),
-                "mix=gemv, tied per module": step_with(NEW_MIX, teacher, parametrize.cached),
+
+    def per_module(buffers=None):  # parametrize.cached() alone: no memo per MixedQuant, no buffers
+        return parametrize.cached()
+
+    def fresh(buffers=None):  # layers.cached() without the buffers kept across steps
+        return NEW_CACHED()
+
+    variants = {"mix=loop": step_with(LoopMix, teacher, per_module),
+                "mix=gemv, tied per module": step_with(NEW_MIX, teacher, per_module),
+                "mix=gemv, fresh mixtures": step_with(NEW_MIX, teacher, fresh),
                 "mix=gemv": step_with(NEW_MIX, teacher),
                 "mix=gemv + teacher cache": step_with(NEW_MIX, cached_teacher)}
-    with torch.no_grad():  # warm the teacher cache on every batch the repeats use
-        for step in range(a.repeats + 1):
-            cached_teacher(input_ids=ids_at(step))
+    variants = {k: v for k, v in variants.items() if a.variants is None or k in a.variants}
+    if "mix=gemv + teacher cache" in variants:
+        with torch.no_grad():  # warm the teacher cache on every batch the repeats use
+            for step in range(a.repeats + 1):
+                cached_teacher(input_ids=ids_at(step))
     runs = {"plain": plain_step, "plain student": lambda step: plain_step(step, False), **variants}
     times = {k: [] for k in runs}
     for step in range(a.repeats + 1):
@@ -171,12 +198,17 @@ def main() -> None:
     print(f"model {a.model} seq_len {a.seq_len} batch {a.batch_size}, {a.repeats} repeats after 1 warm-up, "
           f"torch threads {torch.get_num_threads()}; teacher cache hits {cache.hits if cache else 0}; "
           f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE')}")
-    print(f"{'':28} {'median s':>9} {'/ plain':>8} {'/ plain student':>16}")
+    print(f"{'':28} {'median s':>9} {'min s':>7} {'/ plain':>8} {'95 % interval':>14} {'min/min':>8} "
+          f"{'/ plain student':>16}")
     for k, v in times.items():
-        r1 = statistics.median(x / p for x, p in zip(v, times["plain"]))
+        r1 = [x / p for x, p in zip(v, times["plain"])]
+        lo, hi = median_ci(r1)
         r2 = statistics.median(x / p for x, p in zip(v, times["plain student"]))
-        print(f"{k:28} {statistics.median(v):9.3f} {r1:8.2f} {r2:16.2f}")
-    base = times["mix=gemv"]
+        print(f"{k:28} {statistics.median(v):9.3f} {min(v):7.3f} {statistics.median(r1):8.2f} "
+              f"{f'{lo:.2f}-{hi:.2f}':>14} {min(v) / min(times['plain']):8.2f} {r2:16.2f}")
+    base = times.get("mix=gemv")
+    if base is None:
+        return
     print("paired difference from mix=gemv (same repeat, same batch), mean ± s.e. over repeats:")
     for k, v in times.items():
         if k != "mix=gemv" and len(v) > 1:

@@ -171,3 +171,57 @@ def test_mixed_quant_validates_shapes():
     with pytest.raises(ValueError):
         attach(lin, MixedQuant("x", ["A"], [1], torch.ones(1, 2, 4), (2, 4)))
     assert np.isclose(mq.confidence(), 1.0)
+
+
+def test_mix_buffers_are_bit_equal_to_fresh_mixtures_and_reused_across_steps():
+    """layers.cached(buffers): the same logits and gate gradients, bit for bit, as fresh mixtures,
+    step after step with moving gates; every gate set writes into one tensor kept across steps
+    (the tied embedding / LM head one, not two); clear() drops them."""
+    from voodoo_quant import layers
+
+    ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(3))
+    fresh_model, _, fresh = _student(tied=True)
+    kept_model, _, kept = _student(tied=True)
+    buffers = layers.MixBuffers()
+    ptrs = []
+    for step in range(3):
+        outs = []
+        for model, mixed, ctx in ((fresh_model, fresh, layers.cached()), (kept_model, kept, layers.cached(buffers))):
+            with torch.no_grad():
+                for n in sorted(mixed):
+                    mixed[n].gates.copy_(torch.randn(mixed[n].k, generator=torch.Generator().manual_seed(hash(n) % 997 + step)))
+            model.zero_grad(set_to_none=True)
+            with ctx:
+                y = model(input_ids=ids).logits
+                if model is kept_model:
+                    ptrs.append(model.model.embed_tokens.weight.data_ptr())
+            y.square().mean().backward()
+            outs.append((y.detach(), {n: m.gates.grad.clone() for n, m in mixed.items()}))
+        assert torch.equal(outs[0][0], outs[1][0]), step
+        for n in outs[0][1]:
+            assert torch.equal(outs[0][1][n], outs[1][1][n]), (step, n)
+    assert len(buffers._out) == len(kept) == 8  # one per gate set: the tied pair shares one
+    assert len(set(ptrs)) == 1  # the embedding's mixture lands in the same memory every step
+    assert buffers.nbytes == sum(m.stacked[0].numel() * 4 for m in kept.values())
+    assert layers._buffers is None  # the context ends, the module forgets the store
+    buffers.clear()
+    assert buffers.nbytes == 0
+
+
+def test_mix_buffer_rewritten_while_autograd_holds_it_raises():
+    """The one misuse of MixBuffers (mixing again before the previous mixture's backward) is loud:
+    the write bumps the buffer's version counter and the pending backward refuses."""
+    from voodoo_quant import layers
+
+    model, _, mixed = _student(tied=True)
+    ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(4))
+    buffers = layers.MixBuffers()
+    with layers.cached(buffers):
+        first = model(input_ids=ids).logits.square().mean()
+    with torch.no_grad():
+        for m in mixed.values():
+            m.gates.add_(1.0 + torch.arange(m.k, dtype=m.gates.dtype))
+    with layers.cached(buffers):
+        model(input_ids=ids).logits  # mixes again into the same buffers
+    with pytest.raises(RuntimeError, match="modified inplace|modified by an inplace operation"):
+        first.backward()

@@ -39,9 +39,16 @@ def test_size_penalty_is_zero_inside_the_dead_zone_and_pulls_outside():
 def test_kl_decreases_with_a_generous_budget(gate_model_dir, tmp_path):
     cfg = cfg_for(gate_model_dir, tmp_path / "run", compression_ratio=0.9, max_steps=10, size_weight=0.0, distill_weight=10.0,
                   tau_start=1.0, tau_end=1.0, lr=0.5)
-    res = Trainer(cfg).train()
+    tr = Trainer(cfg)
+    seen = []
+    tr.on_step = lambda m: seen.append(tr.run.mix_buffers.nbytes)
+    res = tr.train()
     kls = [m.kl for m in res.history]
     assert len(kls) == 10
+    # The steps wrote their mixtures into kept buffers (one dense copy of each gated weight), and
+    # training released them before the bake and the search.
+    assert seen[0] == seen[-1] == sum(mq.stacked[0].numel() * 4 for mq in tr.run.mixed.values()) > 0
+    assert tr.run.mix_buffers.nbytes == 0
     assert kls[-1] < 0.7 * kls[0], kls
     # With the size free, the gates move toward the richest candidate.
     counts = res.assignment.type_counts()

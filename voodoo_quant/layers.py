@@ -33,22 +33,64 @@ CandidateFn = Callable[[int], torch.Tensor]
 # (a tied embedding and LM head) is mixed once, and its backward takes one pass over the
 # candidates with the modules' gradients already summed by autograd.
 _shared: dict[int, torch.Tensor] | None = None
+# Inside cached(buffers): where the eager float32 mixtures are written (see MixBuffers).
+_buffers: "MixBuffers | None" = None
+
+
+class MixBuffers:
+    """The soft mixtures' output tensors, kept from one training step to the next.
+
+    A step allocates one dense tensor per gated weight (SmolLM2-135M: 211 of them, 0.64 GB) and
+    frees them all after backward. On the CPU that churn returns memory to the kernel and faults it
+    back in on the next step, and it slows what runs beside the mixtures too (the loss's logits
+    land in freshly faulted pages). Writing each mixture into the same tensor every step removes
+    the churn; the values are bit-identical (the same product, written with ``out=``).
+
+    Safe only where every mixture of a step is dead before the next one is computed: the trainer's
+    step mixes each gate set once per micro-batch (``cached()``) and finishes its backward before
+    the next micro-batch. A write into a buffer that autograd still holds is not silent: the write
+    bumps the buffer's version counter, and autograd refuses the stale mixture (a view made inside
+    a custom Function whose base changed) in the pending backward. Per-layer mixing (gradient
+    checkpointing), routed steps and the post-training search take fresh tensors. ``clear()``
+    when training ends: the buffers hold one dense copy of every gated weight.
+    """
+
+    def __init__(self) -> None:
+        self._out: dict[int, torch.Tensor] = {}
+
+    def take(self, owner: object, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """`owner`'s buffer (allocated on first use, or again when its shape, dtype or device moved)."""
+        t = self._out.get(id(owner))
+        if t is None or tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != device:
+            t = self._out[id(owner)] = torch.empty(tuple(shape), dtype=dtype, device=device)
+        return t
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._out.values())
+
+    def clear(self) -> None:
+        self._out.clear()
 
 
 @contextlib.contextmanager
-def cached() -> Iterator[None]:
+def cached(buffers: MixBuffers | None = None) -> Iterator[None]:
     """``parametrize.cached()`` for gated models: every parametrized weight computed once, and
-    every ``MixedQuant`` once however many modules share it."""
-    global _shared
-    outer = _shared
+    every ``MixedQuant`` once however many modules share it; with `buffers`, eager float32
+    mixtures are written into tensors kept across steps (:class:`MixBuffers`)."""
+    global _shared, _buffers
+    outer, outer_buffers = _shared, _buffers
     if outer is None:
         _shared = {}
+    if buffers is not None:
+        _buffers = buffers
     try:
         with parametrize.cached():
             yield
     finally:
         if outer is None:
             _shared = None
+        _buffers = outer_buffers
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -82,10 +124,15 @@ def chunk_rows(shape: Sequence[int], limit: int | None = None) -> int:
     return max(1, limit // max(1, per_row))
 
 
-def _mix_block(p: torch.Tensor, cand, stacked: torch.Tensor | None, k_count: int, acc: torch.dtype) -> torch.Tensor:
-    """Σ_k p_k W_k in `acc`: one matrix-vector product over a float32 stack, else in order into
-    one buffer (each product rounded to `acc`, then added)."""
+def _mix_block(p: torch.Tensor, cand, stacked: torch.Tensor | None, k_count: int, acc: torch.dtype,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """Σ_k p_k W_k in `acc`: one matrix-vector product over a float32 stack (into `out` when
+    given: the same product, the same bits), else in order into one buffer (each product rounded
+    to `acc`, then added)."""
     if stacked is not None and stacked.dtype == acc:
+        if out is not None:  # what `p @ W` runs (matmul of a vector by a matrix is this mm)
+            torch.mm(p.to(acc).unsqueeze(0), stacked.reshape(k_count, -1), out=out.view(1, -1))
+            return out.view(stacked.shape[1:])
         return (p.to(acc) @ stacked.reshape(k_count, -1)).reshape(stacked.shape[1:])
     out = buf = None
     for k in range(k_count):
@@ -121,15 +168,18 @@ class _Mix(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, p: torch.Tensor, get, k_count: int, dtype: torch.dtype, limit: int | None = None):  # type: ignore[override]
+    def forward(ctx, p: torch.Tensor, get, k_count: int, dtype: torch.dtype, limit: int | None = None,  # type: ignore[override]
+                buf: torch.Tensor | None = None):
         acc = _acc_dtype(dtype)  # accumulate in at least float32
+        if buf is not None and not (isinstance(get, torch.Tensor) and acc == dtype == get.dtype):
+            buf = None  # a buffer only where the product lands in it as is (float32 stack, float32 weight)
         stacked = get if isinstance(get, torch.Tensor) else None
         cand = (lambda k: stacked[k]) if stacked is not None else get
         rows = row_reader(get)
         shape = tuple(stacked.shape[1:]) if stacked is not None else getattr(get, "shape", None)
         step = chunk_rows(shape, limit) if rows is not None and shape is not None else None
         if step is None or step >= shape[0]:
-            out = _mix_block(p, cand, stacked, k_count, acc).to(dtype)
+            out = _mix_block(p, cand, stacked, k_count, acc, buf).to(dtype)
             step = None
         else:
             out = None
@@ -138,7 +188,7 @@ class _Mix(torch.autograd.Function):
                 sub = stacked[:, lo:hi] if stacked is not None else None
                 block = _mix_block(p, lambda k: rows(k, lo, hi), sub, k_count, acc)
                 if out is None:
-                    out = torch.empty(shape, dtype=dtype, device=block.device)
+                    out = buf.view(shape) if buf is not None else torch.empty(shape, dtype=dtype, device=block.device)
                 out[lo:hi].copy_(block)
                 del block
         ctx.acc = acc
@@ -165,7 +215,7 @@ class _Mix(torch.autograd.Function):
                 g = grad_w[lo:hi].to(acc).reshape(-1)
                 part = torch.stack([torch.dot(g, rows(k, lo, hi).to(acc).reshape(-1)) for k in range(ctx.k_count)])
                 grads = part if grads is None else grads.add_(part)
-        return grads.to(p.dtype), None, None, None, None
+        return grads.to(p.dtype), None, None, None, None, None
 
 
 def _device_of(candidates) -> torch.device:
@@ -279,8 +329,10 @@ class MixedQuant(nn.Module):
             return get(0).to(self.dtype) if p is None else _Mix.apply(p, get, k, self.dtype)
         if self.baked is not None:
             return self._get(self.baked).to(self.dtype)
-        src = self.stacked if self.stacked is not None else self._get
-        return _Mix.apply(self.probs(), src, self.k, self.dtype)
+        if self.stacked is not None:
+            buf = _buffers.take(self, self.shape, self.dtype, self.stacked.device) if _buffers is not None else None
+            return _Mix.apply(self.probs(), self.stacked, self.k, self.dtype, None, buf)
+        return _Mix.apply(self.probs(), self._get, self.k, self.dtype)
 
 
 def attach(module: nn.Module, mq: MixedQuant) -> None:

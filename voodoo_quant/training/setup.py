@@ -17,7 +17,7 @@ from ..arch import adapter_for
 from ..arch.base import ArchAdapter
 from ..budget import Budget, make_budget
 from ..errors import ConfigError, CorruptFileError
-from ..layers import MixedQuant
+from ..layers import MixBuffers, MixedQuant
 from ..student import (
     TensorPlan, attach_all, build_mixed, candidate_bytes, fixed_tensors, plan_model, prior_logits, selectable_weights,
 )
@@ -109,6 +109,8 @@ class RunSetup:
     references: object | None = None  # guarantee.References: the free assignments to beat
     # (tensor, off-menu type) -> its bytes; a tensor-parallel rank's shard of them (student.ShardedPacked)
     extra_blobs: dict[tuple[str, str], Any] = field(default_factory=dict)
+    # the soft mixtures' outputs, kept across training steps (layers.MixBuffers); cleared when training ends
+    mix_buffers: MixBuffers = field(default_factory=MixBuffers)
 
 
 def hold_aside(tokens: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -219,23 +219,26 @@ class Trainer:
                             len(skipped), ", ".join(skipped[:4]))
         cfg.log_path.parent.mkdir(parents=True, exist_ok=True)
         history = _read_log(cfg.log_path, start)
-        for step in range(start, cfg.max_steps):
-            m = self._step(run, opt, step)
-            faults.hit("step")  # tests: killed after the update, before the log and the journal
-            history.append(m)
-            if self.is_main:
-                _append_log(cfg.log_path, m, truncate=(step == start))
-            if self.on_step:
-                self.on_step(m)
-            done = step + 1
-            if self.is_main and (done % cfg.partial_save_interval == 0 or done == cfg.max_steps):
-                journal.save(
-                    jpath,
-                    journal.JournalState(
-                        done, {n: mq.gates for n, mq in run.mixed.items()}, opt.state_dict(),
-                        torch.get_rng_state(), cfg.result_hash(), cfg.to_dict(),
-                    ),
-                )
+        try:
+            for step in range(start, cfg.max_steps):
+                m = self._step(run, opt, step)
+                faults.hit("step")  # tests: killed after the update, before the log and the journal
+                history.append(m)
+                if self.is_main:
+                    _append_log(cfg.log_path, m, truncate=(step == start))
+                if self.on_step:
+                    self.on_step(m)
+                done = step + 1
+                if self.is_main and (done % cfg.partial_save_interval == 0 or done == cfg.max_steps):
+                    journal.save(
+                        jpath,
+                        journal.JournalState(
+                            done, {n: mq.gates for n, mq in run.mixed.items()}, opt.state_dict(),
+                            torch.get_rng_state(), cfg.result_hash(), cfg.to_dict(),
+                        ),
+                    )
+        finally:
+            run.mix_buffers.clear()  # one dense copy of every gated weight: not needed past training
         return self.finish(history, resumed_from=start)
 
     def _step(self, run: RunSetup, opt: torch.optim.Optimizer, step: int) -> StepMetrics:
@@ -390,8 +393,12 @@ def micro_backward(run: RunSetup, ids: torch.Tensor, router, acc_n: int, *, per_
     cfg = run.cfg
     if per_layer is None:
         per_layer = mixes_per_layer(run, router)
+    # Mixtures written into tensors kept across steps (layers.MixBuffers) where each is mixed once
+    # per micro-batch and dead before the next: not per layer (the recompute mixes again while the
+    # forward's mixture may still be held), not routed (routes swap the layers per use).
+    buffers = run.mix_buffers if router is None else None
     with routing.routed(run.student, router):  # backward inside: checkpoint recomputes route too
-        with contextlib.nullcontext() if per_layer else layers.cached():
+        with contextlib.nullcontext() if per_layer else layers.cached(buffers):
             if run.tp is not None:
                 from .tp_losses import tp_distill_terms
 
