@@ -7,7 +7,8 @@ Embedding or subclass (scaled embeddings, ...) works, and a tied embedding / LM 
 ``MixedQuant`` registered on both. Inside :func:`cached` (``parametrize.cached()``, plus one
 mixture per ``MixedQuant`` however many modules it is registered on: a tied embedding and LM head
 are mixed once, not once each) the mixture is computed once per forward call, not per token and
-not per use; under ``--gradient_checkpointing`` the trainer
+not per use, and the trainer has it written into a tensor kept across steps (:class:`MixBuffers`);
+under ``--gradient_checkpointing`` the trainer
 mixes each layer's weights when the layer runs instead (``trainer.mixes_per_layer``), and a
 weight over ``MIX_CHUNK_ELEMENTS`` is mixed a block of rows at a time.
 

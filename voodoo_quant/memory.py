@@ -6,8 +6,10 @@ code holds:
 
 * **mixed weights**: without ``--gradient_checkpointing``, inside ``layers.cached()``
   (training/trainer.py ``micro_backward``) every gated weight's mixture ``W = Σ p_k W_k`` is
-  computed once per step and kept until the backward ends: the rank's part of every selectable
-  weight, in the training dtype (a tied embedding / LM head once). With it, each layer's weights
+  computed once per step and kept until the backward ends (eager float32 mixtures are written
+  into tensors kept from step to step, ``layers.MixBuffers``, and released when training ends:
+  the same peak): the rank's part of every selectable weight, in the training dtype (a tied
+  embedding / LM head once). With it, each layer's weights
   are mixed when the layer runs and again when it is recomputed (``trainer.mixes_per_layer``): one decoder layer's mixtures, plus
   the LM head's, which lives through the loss; and autograd's gradient of the largest one;
 * **candidates**: packed ggml bytes (``--lazy``; this rank's rows / blocks under TP) or K dense
