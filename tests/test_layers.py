@@ -206,6 +206,11 @@ def test_mix_buffers_are_bit_equal_to_fresh_mixtures_and_reused_across_steps():
     assert layers._buffers is None  # the context ends, the module forgets the store
     buffers.clear()
     assert buffers.nbytes == 0
+    # A bf16 student's mixtures are cast from the float32 product: nothing to keep, nothing held.
+    _, _, bf16 = _student(tied=True, dtype=torch.bfloat16)
+    with layers.cached(buffers):
+        ws = [mq(torch.empty(0)) for mq in bf16.values()]
+    assert all(w.dtype == torch.bfloat16 for w in ws) and buffers.nbytes == 0
 
 
 def test_mix_buffer_rewritten_while_autograd_holds_it_raises():

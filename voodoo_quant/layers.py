@@ -331,7 +331,9 @@ class MixedQuant(nn.Module):
         if self.baked is not None:
             return self._get(self.baked).to(self.dtype)
         if self.stacked is not None:
-            buf = _buffers.take(self, self.shape, self.dtype, self.stacked.device) if _buffers is not None else None
+            buf = None
+            if _buffers is not None and _acc_dtype(self.dtype) == self.dtype == self.stacked.dtype:
+                buf = _buffers.take(self, self.shape, self.dtype, self.stacked.device)  # else a cast: fresh
             return _Mix.apply(self.probs(), self.stacked, self.k, self.dtype, None, buf)
         return _Mix.apply(self.probs(), self._get, self.k, self.dtype)
 
