@@ -24,10 +24,12 @@ backward alone (CE, no teacher). Ratios are taken per repeat against the baselin
 same repeat. Printed per variant: the median of those ratios with a 95 % bootstrap interval
 (resampling repeats), and the ratio of the two minima (each side's least disturbed repeat: on a
 shared VM the noise only ever adds time). ``--variants`` times a subset, so that a long run of
-just the current step against its baselines fits in minutes.
+just the current step against its baselines fits in minutes; ``--phases`` also times each run's
+parts (the mixing products and dots, the student and teacher forwards, the loss) and prints
+their medians.
 
     .venv/bin/python bench/step_ratio.py --model DIR [--imatrix F] [--seq_len 256] [--repeats 7]
-        [--variants mix=gemv]
+        [--variants mix=gemv] [--phases]
 """
 
 from __future__ import annotations
@@ -104,6 +106,8 @@ def main() -> None:
     ap.add_argument("--menu", nargs="+", default=list(MENU))
     ap.add_argument("--variants", nargs="+", default=None, choices=VARIANTS,
                     help="time only these trainer-step variants (default: all); the baselines always run")
+    ap.add_argument("--phases", action="store_true",
+                    help="also time each run's phases (mixing, student and teacher forwards, loss; medians)")
     a = ap.parse_args()
 
     from voodoo_quant import fileio, layers
@@ -186,11 +190,40 @@ def main() -> None:
                 cached_teacher(input_ids=ids_at(step))
     runs = {"plain": plain_step, "plain student": lambda step: plain_step(step, False), **variants}
     times = {k: [] for k in runs}
+    spent: dict[str, float] = {}  # phase -> seconds in the current run (--phases)
+    phases: dict[str, dict[str, list[float]]] = {k: {} for k in runs}
+    if a.phases:
+        from voodoo_quant.training import losses
+
+        def clock(obj, attr, phase):
+            inner = getattr(obj, attr)
+
+            def timed_call(*args, **kw):
+                t0 = time.perf_counter()
+                try:
+                    return inner(*args, **kw)
+                finally:
+                    spent[phase] = spent.get(phase, 0.0) + time.perf_counter() - t0
+            setattr(obj, attr, staticmethod(timed_call) if isinstance(obj, type) else timed_call)
+
+        clock(NEW_MIX, "forward", "mixing (forward products)")
+        clock(NEW_MIX, "backward", "mixing (backward dots)")
+        for m in (teacher, plain_teacher):  # a warm teacher cache's reads are in no phase
+            clock(m, "forward", "teacher forward")
+        for m in (run.student, plain):
+            clock(m, "forward", "student forward (mixing included)")
+        clock(losses, "full_losses", "loss")
     for step in range(a.repeats + 1):
         # Every other repeat in reverse order: what one run leaves behind (freed memory, caches)
         # falls on a different neighbour each time instead of always on the same one.
         order = list(runs) if step % 2 == 0 else list(reversed(runs))
-        row = {name: timed(lambda: runs[name](step)) for name in order}
+        row = {}
+        for name in order:
+            spent.clear()
+            row[name] = timed(lambda: runs[name](step))
+            if step:
+                for ph, v in spent.items():
+                    phases[name].setdefault(ph, []).append(v)
         if step == 0:
             continue  # warm-up
         for k, v in row.items():
@@ -206,6 +239,10 @@ def main() -> None:
         r2 = statistics.median(x / p for x, p in zip(v, times["plain student"]))
         print(f"{k:28} {statistics.median(v):9.3f} {min(v):7.3f} {statistics.median(r1):8.2f} "
               f"{f'{lo:.2f}-{hi:.2f}':>14} {min(v) / min(times['plain']):8.2f} {r2:16.2f}")
+    if a.phases:
+        print("phases, median s per run (the forward's mixing happens inside the student forward):")
+        for k, ph in phases.items():
+            print(f"  {k:28} " + ", ".join(f"{n} {statistics.median(v):.3f}" for n, v in sorted(ph.items())))
     base = times.get("mix=gemv")
     if base is None:
         return
