@@ -171,9 +171,8 @@ class _Mix(torch.autograd.Function):
     @staticmethod
     def forward(ctx, p: torch.Tensor, get, k_count: int, dtype: torch.dtype, limit: int | None = None,  # type: ignore[override]
                 buf: torch.Tensor | None = None):
-        acc = _acc_dtype(dtype)  # accumulate in at least float32
-        if buf is not None and not (isinstance(get, torch.Tensor) and acc == dtype == get.dtype):
-            buf = None  # a buffer only where the product lands in it as is (float32 stack, float32 weight)
+        acc = _acc_dtype(dtype)  # accumulate in at least float32; `buf`: MixedQuant._weight's, only where
+        # the product lands in it as is (a float32 weight from a float32 stack)
         stacked = get if isinstance(get, torch.Tensor) else None
         cand = (lambda k: stacked[k]) if stacked is not None else get
         rows = row_reader(get)
