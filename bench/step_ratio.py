@@ -2,19 +2,22 @@
 
 One trainer is prepared (``TrainConfig`` + ``Trainer.prepare``: the real student with its gated
 candidates, the teacher, Adam on the gates) and its step (``Trainer._step``: CE + λ·KL, backward
-to the gates, the size penalty, Adam) is timed in four variants on the same batch, interleaved
+to the gates, the size penalty, Adam) is timed in several variants on the same batch, interleaved
 with the plain baselines on that batch (every other repeat in reverse order), for several repeats:
 
 - ``mix=loop``  the soft mixture as it was before this bench (one temporary per candidate in the
   forward, ``(g * W_k).sum()`` per candidate in the backward), kept here as the reference;
-- ``mix=gemv``  the current step: ``layers._Mix`` (one matrix-vector product over the stacked
-  candidates; one dot product per candidate in the backward), each mixture written into a tensor
-  kept across steps (``layers.MixBuffers``);
+- ``mix=codes``  the current step: the candidates kept as int8 codes and sub-block scales
+  (``compact.CompactCandidates``), mixed and dotted by the native kernel (``mixkernel``), each
+  mixture written into a tensor kept across steps (``layers.MixBuffers``);
+- ``mix=gemv``  the step before the codes: float32 stacks of the same candidates (the same
+  values), one matrix-vector product over the stack in the forward, one dot product per candidate
+  in the backward, kept buffers (``VOODOO_MIX_KERNEL=0`` trains this way);
 - ``mix=gemv, fresh mixtures``  the same with every mixture a fresh tensor, as before the buffers;
 - ``mix=gemv, tied per module``  the same inside ``parametrize.cached()`` alone, as the trainer
   ran before ``layers.cached()``: a tied embedding / LM head mixed (and its gradient dotted with
   every candidate) once for each of its two modules;
-- ``+teacher cache``  the current mixture with the teacher's final hidden states read from a
+- ``+ teacher cache``  the current mixture with the teacher's final hidden states read from a
   warm ``training/teacher_cache.py`` cache (what every size of a ladder after the first gets).
 
 Baselines, at the same shape and tokens: ``plain`` = the same HF model with float weights
@@ -55,7 +58,8 @@ apply_env_defaults(host_env_defaults(), os.environ)
 
 import torch  # noqa: E402
 
-VARIANTS = ("mix=loop", "mix=gemv, tied per module", "mix=gemv, fresh mixtures", "mix=gemv", "mix=gemv + teacher cache")
+VARIANTS = ("mix=loop", "mix=gemv, tied per module", "mix=gemv, fresh mixtures", "mix=gemv", "mix=codes",
+            "mix=codes + teacher cache")
 MENU = ("Q8_0", "Q6_K", "Q5_K", "Q5_0", "Q4_K", "IQ4_XS", "IQ4_NL", "Q3_K", "IQ3_S", "IQ2_S")
 
 
@@ -155,8 +159,21 @@ def main() -> None:
             logits = plain(input_ids=ids).logits[:, :-1]
             torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)).backward()
 
-    def step_with(mix, teacher_module, cached=None):
+    from voodoo_quant.compact import CompactCandidates
+
+    codes = {mq: mq._get for mq in run.mixed.values() if isinstance(mq._get, CompactCandidates)}
+    stacks = {mq: torch.stack([cc(k) for k in range(mq.k)]) for mq, cc in codes.items()}  # the same values
+    if not codes:
+        print("note: no tensor holds int8 codes (no C compiler, or VOODOO_MIX_KERNEL=0): mix=codes is mix=gemv")
+
+    def hold(float_stacks: bool) -> None:
+        for mq, cc in codes.items():
+            mq.stacked = stacks[mq] if float_stacks else None
+            mq._get = (lambda k, st=stacks[mq]: st[k]) if float_stacks else cc
+
+    def step_with(mix, teacher_module, cached=None, float_stacks=True):
         def go(step):
+            hold(float_stacks)
             layers._Mix = mix
             layers.cached = cached or NEW_CACHED
             run.teacher = teacher_module
@@ -182,9 +199,10 @@ def main() -> None:
                 "mix=gemv, tied per module": step_with(NEW_MIX, teacher, per_module),
                 "mix=gemv, fresh mixtures": step_with(NEW_MIX, teacher, fresh),
                 "mix=gemv": step_with(NEW_MIX, teacher),
-                "mix=gemv + teacher cache": step_with(NEW_MIX, cached_teacher)}
+                "mix=codes": step_with(NEW_MIX, teacher, float_stacks=False),
+                "mix=codes + teacher cache": step_with(NEW_MIX, cached_teacher, float_stacks=False)}
     variants = {k: v for k, v in variants.items() if a.variants is None or k in a.variants}
-    if "mix=gemv + teacher cache" in variants:
+    if "mix=codes + teacher cache" in variants:
         with torch.no_grad():  # warm the teacher cache on every batch the repeats use
             for step in range(a.repeats + 1):
                 cached_teacher(input_ids=ids_at(step))
@@ -243,12 +261,12 @@ def main() -> None:
         print("phases, median s per run (the forward's mixing happens inside the student forward):")
         for k, ph in phases.items():
             print(f"  {k:28} " + ", ".join(f"{n} {statistics.median(v):.3f}" for n, v in sorted(ph.items())))
-    base = times.get("mix=gemv")
+    base = times.get("mix=codes")
     if base is None:
         return
-    print("paired difference from mix=gemv (same repeat, same batch), mean ± s.e. over repeats:")
+    print("paired difference from mix=codes (same repeat, same batch), mean ± s.e. over repeats:")
     for k, v in times.items():
-        if k != "mix=gemv" and len(v) > 1:
+        if k != "mix=codes" and len(v) > 1:
             d = [x - y for x, y in zip(v, base)]
             print(f"  {k:28} {statistics.mean(d):+7.3f} ± {statistics.stdev(d) / len(d) ** 0.5:.3f} s")
 

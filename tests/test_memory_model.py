@@ -54,11 +54,17 @@ def _term(mem, prefix):
     return next(t.bytes for t in mem.device if t.name.startswith(prefix))
 
 
-def test_terms_follow_the_flags(gate_model_dir, tmp_path):
+def test_terms_follow_the_flags(gate_model_dir, tmp_path, monkeypatch):
     base = ["--model", str(gate_model_dir / "model"), "--data_dir", str(tmp_path), "--candidate_types", "Q8_0", "Q4_0", "--compression_ratio", "0.6",
             "--seq_len", "64"]
     eager, lazy = _mem(base), _mem(base + ["--lazy"])
-    assert _term(lazy, "candidates") < _term(eager, "candidates") / 3  # packed bytes vs 2 dense copies
+    # Q8_0 + Q4_0 per weight: packed 34/32 + 18/32 bytes; int8 codes 2 x (1 + 4/32); 2 dense float32 copies
+    assert _term(lazy, "candidates (packed") < _term(eager, "candidates (int8 codes")
+    assert _term(eager, "candidates (int8 codes") == pytest.approx(_term(lazy, "candidates") * 2.25 / 1.625, rel=1e-6)
+    monkeypatch.setenv("VOODOO_MIX_KERNEL", "0")
+    stacks = _mem(base)
+    monkeypatch.delenv("VOODOO_MIX_KERNEL")
+    assert _term(stacks, "candidates (dense") == pytest.approx(_term(lazy, "candidates") * 8 / 1.625, rel=1e-6)
     ckpt = _mem(base + ["--gradient_checkpointing"])
     assert _term(ckpt, "activations") < _term(eager, "activations")
     longer = _mem(base + ["--seq_len", "128"])

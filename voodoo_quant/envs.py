@@ -32,6 +32,8 @@ VARIABLES: tuple[EnvVar, ...] = (
     EnvVar("VOODOO_TP_TIMEOUT_MIN", "minutes a tensor-parallel rank waits in a collective before it gives up "
            "(rank 0 alone fills the candidate cache and computes the sensitivity table while the others wait "
            "at a barrier; torch's own default is 10 for NCCL, 30 for gloo)", "240"),
+    EnvVar("VOODOO_MIX_KERNEL", "1: eager CPU candidates are kept as int8 codes and mixed by a native kernel "
+           "built with the system C compiler (voodoo_quant/mixkernel.py); 0: float32 stacks", "1"),
     EnvVar("VOODOO_TINY_RECIPE", "1 shrinks every run (steps, sequences) for fast tests", "0"),
     EnvVar("VOODOO_FAULT_AT", "tests only: SIGKILL the process at a named point, e.g. step:3, bake, "
            "write:partial.pt:2, export:tensor:5 (the n-th hit, default 1); never set it otherwise"),
@@ -112,6 +114,15 @@ def tiny_recipe(env: Mapping[str, str] | None = None) -> bool:
         return False
     if raw not in ("0", "1"):
         raise EnvironmentVarError(f"VOODOO_TINY_RECIPE={raw!r} must be 0 or 1")
+    return raw == "1"
+
+
+def mix_kernel(env: Mapping[str, str] | None = None) -> bool:
+    raw = _get("VOODOO_MIX_KERNEL", env)
+    if raw is None:
+        return True
+    if raw not in ("0", "1"):
+        raise EnvironmentVarError(f"VOODOO_MIX_KERNEL={raw!r} must be 0 or 1")
     return raw == "1"
 
 

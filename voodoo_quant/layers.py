@@ -12,8 +12,10 @@ under ``--gradient_checkpointing`` the trainer
 mixes each layer's weights when the layer runs instead (``trainer.mixes_per_layer``), and a
 weight over ``MIX_CHUNK_ELEMENTS`` is mixed a block of rows at a time.
 
-Candidates are either held dequantized (eager) or packed as their ggml bytes (``--lazy``) and
-dequantized on the fly by :mod:`voodoo_quant.quants`. Either way the mixture runs through
+Candidates are either held dequantized (eager: a float32 stack, or on the CPU their int8 codes
+and sub-block scales, :class:`~voodoo_quant.compact.CompactCandidates`, mixed by a native kernel)
+or packed as their ggml bytes (``--lazy``) and dequantized on the fly by
+:mod:`voodoo_quant.quants`. Either way the mixture runs through
 :class:`_Mix`, which keeps only one candidate materialized at a time and recomputes candidates
 in backward instead of saving them: memory is the packed bytes plus one dense weight.
 """
@@ -26,6 +28,8 @@ from typing import Callable, Iterator, Sequence
 import torch
 import torch.nn as nn
 from torch.nn.utils import parametrize
+
+from .compact import CompactCandidates
 
 CandidateFn = Callable[[int], torch.Tensor]
 
@@ -172,7 +176,12 @@ class _Mix(torch.autograd.Function):
     def forward(ctx, p: torch.Tensor, get, k_count: int, dtype: torch.dtype, limit: int | None = None,  # type: ignore[override]
                 buf: torch.Tensor | None = None):
         acc = _acc_dtype(dtype)  # accumulate in at least float32; `buf`: MixedQuant._weight's, only where
-        # the product lands in it as is (a float32 weight from a float32 stack)
+        # the product lands in it as is (a float32 weight from a float32 stack or from int8 codes)
+        ctx.compact = isinstance(get, CompactCandidates) and dtype == torch.float32 == p.dtype
+        if ctx.compact:  # the native kernel: the sequential sum, expanded from the codes in cache
+            ctx.get, ctx.acc, ctx.k_count, ctx.step = get, acc, k_count, None
+            ctx.save_for_backward(p)
+            return get.mix(p, buf)
         stacked = get if isinstance(get, torch.Tensor) else None
         cand = (lambda k: stacked[k]) if stacked is not None else get
         rows = row_reader(get)
@@ -203,7 +212,9 @@ class _Mix(torch.autograd.Function):
         (p,) = ctx.saved_tensors
         get = ctx.get
         acc = torch.float64 if p.dtype == torch.float64 else ctx.acc  # float64 gates: float64 dot products
-        if ctx.step is None:
+        if ctx.compact:
+            grads = get.grad(grad_w)
+        elif ctx.step is None:
             g = grad_w.to(acc).reshape(-1)
             cand = (lambda k: get[k]) if isinstance(get, torch.Tensor) else get
             grads = torch.stack([torch.dot(g, cand(k).to(acc).reshape(-1)) for k in range(ctx.k_count)])
@@ -334,6 +345,9 @@ class MixedQuant(nn.Module):
             if _buffers is not None and _acc_dtype(self.dtype) == self.dtype == self.stacked.dtype:
                 buf = _buffers.take(self, self.shape, self.dtype, self.stacked.device)  # else a cast: fresh
             return _Mix.apply(self.probs(), self.stacked, self.k, self.dtype, None, buf)
+        if isinstance(self._get, CompactCandidates) and self.dtype == torch.float32:
+            buf = _buffers.take(self, self.shape, self.dtype, self._get.device) if _buffers is not None else None
+            return _Mix.apply(self.probs(), self._get, self.k, self.dtype, None, buf)
         return _Mix.apply(self.probs(), self._get, self.k, self.dtype)
 
 

@@ -12,8 +12,9 @@ code holds:
   embedding / LM head once). With it, each layer's weights
   are mixed when the layer runs and again when it is recomputed (``trainer.mixes_per_layer``): one decoder layer's mixtures, plus
   the LM head's, which lives through the loss; and autograd's gradient of the largest one;
-* **candidates**: packed ggml bytes (``--lazy``; this rank's rows / blocks under TP) or K dense
-  copies (eager); plus the mixing transient: float32 accumulator, product and dequantized
+* **candidates**: packed ggml bytes (``--lazy``; this rank's rows / blocks under TP), int8 codes
+  and sub-block scales (eager float32 on the CPU, one process: :mod:`voodoo_quant.compact`) or K
+  dense copies (eager otherwise); plus the mixing transient: float32 accumulator, product and dequantized
   candidate of the largest block ``layers._Mix`` mixes at once (a weight over
   ``layers.MIX_CHUNK_ELEMENTS`` whose candidates can be read by rows is mixed by blocks of rows);
 * **gates and Adam**: K float32 logits, their gradient and two moments, and the float64 byte sizes;
@@ -108,6 +109,14 @@ class MemoryPlan:
         return out
 
 
+def _holds_codes(cfg, kind: str, world: int) -> bool:
+    """Whether eager candidates are kept as int8 codes (student.build_mixed): float32 on the CPU,
+    one process, the kernel switched on (a missing compiler is found only when it is built)."""
+    from . import envs
+
+    return kind == "cpu" and cfg.dtype == "float32" and world == 1 and envs.mix_kernel()
+
+
 def _numel(shape: Sequence[int]) -> int:
     n = 1
     for s in shape:
@@ -167,6 +176,17 @@ def plan_memory(cfg, model: nn.Module, plans: Sequence, *, adapter=None, tp_plan
     if cfg.lazy:
         cand = sum(sum(p.sizes) * frac[p.name] for p in plans)
         mp.device.append(Term("candidates (packed, --lazy)", cand, f"{cand * 8 / max(1, sum(sel.values())):.1f} bits/weight"))
+    elif _holds_codes(cfg, kind, world):
+        from .compact import bytes_per_weight
+
+        def held(p) -> float:  # a menu with a float rung keeps its float32 stack (compact.py)
+            per = [bytes_per_weight(t) for t in p.menu.types]
+            return sel[p.name] * (sum(per) if None not in per else len(per) * db)
+
+        cand = sum(held(p) for p in plans)
+        mp.device.append(Term("candidates (int8 codes, eager)", cand,
+                              f"{cand * 8 / max(1, sum(sel.values())):.1f} bits/weight: codes + sub-block scales, "
+                              "mixed by the native kernel"))
     else:
         cand = sum(len(p.sizes) * sel[p.name] * db for p in plans)
         mp.device.append(Term("candidates (dense, eager)", cand, "K dense copies; --lazy packs them"))

@@ -19,6 +19,7 @@ import torch.nn as nn
 from . import ggml
 from . import qtypes as qt
 from .arch.base import ArchAdapter
+from .compact import CompactCandidates
 from .errors import ConfigError
 from .layers import MixedQuant, attach
 from .menus import Menu, MenuConfig, build_menu
@@ -431,8 +432,11 @@ def build_mixed(
     shard=None,
     rank: int = 0,
     world: int = 1,
+    compact: bool = True,
 ) -> MixedQuant:
-    """A MixedQuant for `plan` from its candidates' bytes (eager: dequantized now; lazy: packed).
+    """A MixedQuant for `plan` from its candidates' bytes (eager: dequantized now, and on the CPU in
+    float32 kept as int8 codes where `compact` and :class:`CompactCandidates` reproduce them
+    exactly, else a float32 stack; lazy: packed).
     With a `shard` (tensor parallelism, eager only) it holds rank `rank`'s part of every candidate
     and keeps the whole tensor's byte sizes, so every rank's gates see the same budget."""
     if shard is not None and lazy:
@@ -446,10 +450,13 @@ def build_mixed(
                           init_logits=init_logits, device=device)
     if lazy:
         packed = [torch.frombuffer(bytearray(b), dtype=torch.uint8).to(device) for b in blobs]
-        cands: torch.Tensor | PackedCandidates = PackedCandidates(plan, packed, dtype)
+        cands: torch.Tensor | PackedCandidates | CompactCandidates = PackedCandidates(plan, packed, dtype)
     else:
         dense = [plan.dequantize(b, t) for b, t in zip(blobs, plan.menu.types)]
-        cands = torch.stack(dense).to(device=device, dtype=dtype)
+        held = None
+        if compact and dtype == torch.float32 and torch.device(device).type == "cpu":
+            held = CompactCandidates.build(plan, blobs, dense)  # None: not exactly representable
+        cands = held if held is not None else torch.stack(dense).to(device=device, dtype=dtype)
     return MixedQuant(plan.name, plan.menu.types, plan.sizes, cands, plan.shape, dtype=dtype, init_logits=init_logits,
                       device=device)
 

@@ -10,7 +10,8 @@ Kernels are pure torch ops vectorized over blocks, so the same code runs on CPU,
 from __future__ import annotations
 
 from . import floats, iquants, kquants, legacy  # noqa: F401  (self-registering kernels)
-from ._registry import dequantize, kernel, supported_types
+from ._registry import decompose, dequantize, kernel, supported_types
+from .affine import Affine, expand
 from .packed import PackedTensor
 
-__all__ = ["PackedTensor", "dequantize", "kernel", "supported_types"]
+__all__ = ["Affine", "PackedTensor", "decompose", "dequantize", "expand", "kernel", "supported_types"]

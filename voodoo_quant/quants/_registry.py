@@ -1,7 +1,8 @@
 """The registry of torch dequantization kernels, keyed by ggml type name.
 
 A kernel takes the packed blocks of a tensor as a ``(n_blocks, type_size)`` uint8 tensor and
-returns ``(n_blocks, block)`` float32 on the same device. Block sizes and bytes per block come
+returns, on the same device, the blocks' :class:`.Affine` form (codes, scales, offsets: every
+quantized type) or ``(n_blocks, block)`` float32 (the float types). Block sizes and bytes per block come
 from the one type table (:mod:`voodoo_quant.qtypes`); nothing here re-declares them.
 """
 
@@ -13,8 +14,9 @@ import torch
 
 from .. import qtypes as qt
 from ..errors import QuantizationInputError, UnknownQuantTypeError
+from .affine import Affine, expand
 
-Kernel = Callable[[torch.Tensor], torch.Tensor]
+Kernel = Callable[[torch.Tensor], "torch.Tensor | Affine"]
 
 _KERNELS: dict[str, Kernel] = {}
 
@@ -47,14 +49,8 @@ def kernel(qtype: str | qt.QType) -> Kernel:
     return fn
 
 
-def dequantize(packed: torch.Tensor, qtype: str | qt.QType, shape, *, name: str = "tensor") -> torch.Tensor:
-    """float32 tensor of `shape` from the packed ggml bytes of a `qtype` tensor (ggml ``to_float``).
-
-    `packed` is a uint8 tensor of exactly ``qtypes.tensor_bytes(qtype, shape)`` elements, on any
-    device; the result is on the same device. Bit-exact with libggml-base's ``to_float``.
-    """
-    q = qt.get(qtype)
-    shape = tuple(int(s) for s in shape)
+def _blocks(packed: torch.Tensor, q: qt.QType, shape: tuple[int, ...], name: str) -> torch.Tensor:
+    """`packed` as (n_blocks, type_size), after checking its dtype and byte count."""
     if not shape or any(s < 0 for s in shape):
         raise QuantizationInputError(f"{name}: invalid shape {shape}")
     if not isinstance(packed, torch.Tensor) or packed.dtype != torch.uint8:
@@ -65,8 +61,32 @@ def dequantize(packed: torch.Tensor, qtype: str | qt.QType, shape, *, name: str 
         raise QuantizationInputError(
             f"{name}: {packed.numel()} bytes given for a {q.name} tensor of shape {shape}, expected {expected}"
         )
+    return packed.reshape(-1, q.type_size)
+
+
+def dequantize(packed: torch.Tensor, qtype: str | qt.QType, shape, *, name: str = "tensor") -> torch.Tensor:
+    """float32 tensor of `shape` from the packed ggml bytes of a `qtype` tensor (ggml ``to_float``).
+
+    `packed` is a uint8 tensor of exactly ``qtypes.tensor_bytes(qtype, shape)`` elements, on any
+    device; the result is on the same device. Bit-exact with libggml-base's ``to_float``.
+    """
+    q = qt.get(qtype)
+    shape = tuple(int(s) for s in shape)
+    blocks = _blocks(packed, q, shape, name)
     fn = kernel(q)
-    if expected == 0:
+    if blocks.numel() == 0:
         return torch.zeros(shape, dtype=torch.float32, device=packed.device)
-    blocks = packed.reshape(-1, q.type_size)
-    return fn(blocks).reshape(shape)
+    out = fn(blocks)
+    return (expand(out) if isinstance(out, Affine) else out).reshape(shape)
+
+
+def decompose(packed: torch.Tensor, qtype: str | qt.QType, shape, *, name: str = "tensor") -> Affine | None:
+    """The :class:`.Affine` form (codes, scales, offsets, in the tensor's element order) that
+    :func:`dequantize` expands, or None for the float types (and an empty tensor)."""
+    q = qt.get(qtype)
+    shape = tuple(int(s) for s in shape)
+    blocks = _blocks(packed, q, shape, name)
+    if blocks.numel() == 0:
+        return None
+    out = kernel(q)(blocks)
+    return out if isinstance(out, Affine) else None

@@ -15,6 +15,7 @@ import torch
 
 from . import _fields as f
 from ._registry import register
+from .affine import Affine
 from .grids import table
 
 _DELTA = 0.125  # IQ1S_DELTA / IQ1M_DELTA (ggml-common.h)
@@ -33,7 +34,7 @@ def _nibble_codes(qs: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
 def iq4_nl(blocks: torch.Tensor) -> torch.Tensor:
     d = f.f16(blocks, 0)
     kv = table("kvalues_iq4nl", blocks.device)
-    return d[:, None] * _nibble_codes(f.raw8(blocks, 2, 16), kv)
+    return Affine.of(_nibble_codes(f.raw8(blocks, 2, 16), kv), d)
 
 
 @register("IQ4_XS")
@@ -46,7 +47,7 @@ def iq4_xs(blocks: torch.Tensor) -> torch.Tensor:
     ls = ((sl >> (4 * (f.ar(0, 8, 1, dev) % 2))) & 0xF) | (((sh >> _ar(8, 2, dev)) & 3) << 4)
     dl = d[:, None] * (ls - 32).float()
     q = _nibble_codes(f.u8(blocks, 8, 128).view(n, 8, 16), table("kvalues_iq4nl", dev))
-    return (dl[:, :, None] * q).view(n, 256)
+    return Affine.of(q, dl)
 
 
 @register("MXFP4")
@@ -57,7 +58,7 @@ def mxfp4(blocks: torch.Tensor) -> torch.Tensor:
     bits_ = torch.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(torch.int32)
     d = bits_.view(torch.float32)
     x = _nibble_codes(f.u8(blocks, 1, 16), table("kvalues_mxfp4", blocks.device))
-    return x * d[:, None]
+    return Affine.of(x, d)
 
 
 def _iq2_db(d: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
@@ -80,7 +81,7 @@ def iq2_xxs(blocks: torch.Tensor) -> torch.Tensor:
     aux = f.uint(blocks, 2, 16, 4).view(n, 8, 2)[:, :, 1]
     db = _iq2_db(d, (aux >> 28) & 0xF)
     grid = table("iq2xxs_grid", blocks.device)[raw[:, :, 0:4]]  # (n, 8, 4, 8)
-    return (db[:, :, None, None] * grid * _ksigns(aux)).view(n, 256)
+    return Affine.of(grid * _ksigns(aux), db)  # db * grid * sign, left to right: the sign is exact
 
 
 @register("IQ2_XS")
@@ -94,7 +95,7 @@ def iq2_xs(blocks: torch.Tensor) -> torch.Tensor:
     db = db.repeat_interleave(2, dim=2)  # db[l / 2]
     grid = table("iq2xs_grid", dev)[qs & 511]
     signs = table("ksigns_iq2xs", dev)[qs >> 9]
-    return (db[..., None] * grid * signs).view(n, 256)
+    return Affine.of(grid * signs, db)
 
 
 @register("IQ2_S")
@@ -109,7 +110,7 @@ def iq2_s(blocks: torch.Tensor) -> torch.Tensor:
     idx = lo | (((qh[:, :, None] >> _ar(4, 2, dev)) & 3) << 8)
     db = torch.stack([_iq2_db(d, sc & 0xF), _iq2_db(d, sc >> 4)], dim=2).repeat_interleave(2, dim=2)
     grid = table("iq2s_grid", dev)[idx]
-    return (db[..., None] * grid * f.sign_from_bits(f.bits(signs, 8))).view(n, 256)
+    return Affine.of(grid * f.sign_from_bits(f.bits(signs, 8)), db)
 
 
 @register("IQ3_XXS")
@@ -121,7 +122,7 @@ def iq3_xxs(blocks: torch.Tensor) -> torch.Tensor:
     aux = f.uint(blocks, 66, 8, 4)
     db = d[:, None] * (0.5 + ((aux >> 28) & 0xF).float()) * 0.5
     grid = table("iq3xxs_grid", dev)[qs].view(n, 8, 4, 8)  # two 4-entries per group of 8
-    return (db[:, :, None, None] * grid * _ksigns(aux)).view(n, 256)
+    return Affine.of(grid * _ksigns(aux), db)  # db * grid * sign, left to right: the sign is exact
 
 
 @register("IQ3_S")
@@ -137,14 +138,16 @@ def iq3_s(blocks: torch.Tensor) -> torch.Tensor:
     db = d[:, None] * (1 + 2 * nib).float()
     idx = qs | (((qh[:, :, None] >> f.ar(0, 8, 1, dev)) & 1) << 8)
     grid = table("iq3s_grid", dev)[idx].view(n, 8, 4, 8)
-    return (db[:, :, None, None] * grid * f.sign_from_bits(f.bits(signs, 8))).view(n, 256)
+    return Affine.of(grid * f.sign_from_bits(f.bits(signs, 8)), db)
 
 
-def _iq1(dl: torch.Tensor, idx: torch.Tensor, negative: torch.Tensor) -> torch.Tensor:
-    """``dl * (grid[j] + delta)`` over (n, 8 groups, 4 runs, 8 weights)."""
+def _iq1(dl: torch.Tensor, idx: torch.Tensor, negative: torch.Tensor) -> Affine:
+    """``dl * (grid[j] + delta)`` over (n, 8 groups, 4 runs, 8 weights), as the integer code
+    ``8 · (grid + delta)`` and the scale ``dl / 8``: both exact (delta = ±1/8, a power-of-two
+    scale of a normal float), so their product is the same real number, rounded once."""
     delta = torch.where(negative, -_DELTA, _DELTA).to(torch.float32)
     grid = table("iq1s_grid", idx.device)[idx]
-    return dl[..., None] * (grid + delta[..., None])
+    return Affine.of((grid + delta[..., None]) * 8.0, dl * 0.125)
 
 
 @register("IQ1_S")
@@ -157,7 +160,7 @@ def iq1_s(blocks: torch.Tensor) -> torch.Tensor:
     dl = d[:, None] * (2 * ((qh >> 12) & 7) + 1).float()
     idx = qs | (((qh[:, :, None] >> _ar(4, 3, dev)) & 7) << 8)
     neg = ((qh & 0x8000) != 0)[:, :, None].expand(n, 8, 4)
-    return _iq1(dl[:, :, None].expand(n, 8, 4), idx, neg).reshape(n, 256)
+    return _iq1(dl[:, :, None].expand(n, 8, 4), idx, neg)
 
 
 @register("IQ1_M")
@@ -177,4 +180,4 @@ def iq1_m(blocks: torch.Tensor) -> torch.Tensor:
     odd = 4 * (f.ar(0, 4, 1, dev) % 2)  # runs 1 and 3 use the high half of qh
     idx = qs | (((qh >> odd) & 7) << 8)
     neg = ((qh >> odd) & 0x08) != 0
-    return _iq1(dl, idx, neg).reshape(n, 256)
+    return _iq1(dl, idx, neg)

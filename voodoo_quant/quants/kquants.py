@@ -15,6 +15,7 @@ import torch
 
 from . import _fields as f
 from ._registry import register
+from .affine import Affine
 
 
 def _crumbs(q: torch.Tensor) -> torch.Tensor:
@@ -44,7 +45,7 @@ def q2_k(blocks: torch.Tensor) -> torch.Tensor:
     d, dmin = f.f16(blocks, 80), f.f16(blocks, 82)
     dl = d[:, None] * (sc & 0xF).float()
     ml = dmin[:, None] * (sc >> 4).float()
-    return (dl[:, :, None] * q.float() - ml[:, :, None]).view(n, 256)
+    return Affine.of(q, dl, -ml)  # dl * q - ml
 
 
 def _q3_k_scales(s: torch.Tensor) -> torch.Tensor:
@@ -71,7 +72,7 @@ def q3_k(blocks: torch.Tensor) -> torch.Tensor:
     hbit = f.bits(hm, 8).transpose(1, 2).reshape(n, 256)
     x = q - 4 * (1 - hbit)
     dl = d_all[:, None] * scales.float()
-    return (dl[:, :, None] * x.view(n, 16, 16).float()).view(n, 256)
+    return Affine.of(x, dl)
 
 
 def _q45_k(blocks: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -80,7 +81,7 @@ def _q45_k(blocks: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     sc, mn = _scale_min_k4(f.u8(blocks, 4, 12))
     d1 = d[:, None] * sc.float()
     m1 = dmin[:, None] * mn.float()
-    return (d1[:, :, None] * q.view(n, 8, 32).float() - m1[:, :, None]).view(n, 256)
+    return Affine.of(q, d1, -m1)  # d1 * q - m1
 
 
 def _nibble_runs(ql: torch.Tensor) -> torch.Tensor:
@@ -115,4 +116,4 @@ def q6_k(blocks: torch.Tensor) -> torch.Tensor:
     sc = f.i8(blocks, 192, 16)
     d = f.f16(blocks, 208)
     dsc = d[:, None] * sc.float()
-    return (dsc[:, :, None] * q.view(n, 16, 16).float()).view(n, 256)
+    return Affine.of(q, dsc)

@@ -2,7 +2,7 @@
 
 Formulas and float operation order follow ``dequantize_row_*`` in llama.cpp
 ``ggml/src/ggml-quants.c``: ``x*d`` for the symmetric types, ``x*d + m`` for the ``_1`` types
-(two roundings: a product, then a sum; never fused). Block layouts: ``ggml/src/ggml-common.h``.
+(two roundings: a product, then a sum; never fused), returned as their :class:`.Affine` form. Block layouts: ``ggml/src/ggml-common.h``.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import torch
 
 from . import _fields as f
 from ._registry import register
+from .affine import Affine
 
 
 def _nibbles(qs: torch.Tensor) -> torch.Tensor:
@@ -29,31 +30,31 @@ def _high_bits(blocks: torch.Tensor, off: int) -> torch.Tensor:
 def q4_0(blocks: torch.Tensor) -> torch.Tensor:
     d = f.f16(blocks, 0)
     x = _nibbles(f.raw8(blocks, 2, 16)).float() - 8.0  # == float(q - 8): small ints are exact
-    return x * d[:, None]
+    return Affine.of(x, d)
 
 
 @register("Q4_1")
 def q4_1(blocks: torch.Tensor) -> torch.Tensor:
     d, m = f.f16(blocks, 0), f.f16(blocks, 2)
     x = _nibbles(f.raw8(blocks, 4, 16))
-    return x.float() * d[:, None] + m[:, None]
+    return Affine.of(x, d, m)
 
 
 @register("Q5_0")
 def q5_0(blocks: torch.Tensor) -> torch.Tensor:
     d = f.f16(blocks, 0)
     x = (_nibbles(f.raw8(blocks, 6, 16)) | _high_bits(blocks, 2)).float() - 16.0
-    return x * d[:, None]
+    return Affine.of(x, d)
 
 
 @register("Q5_1")
 def q5_1(blocks: torch.Tensor) -> torch.Tensor:
     d, m = f.f16(blocks, 0), f.f16(blocks, 2)
     x = _nibbles(f.raw8(blocks, 8, 16)) | _high_bits(blocks, 4)
-    return x.float() * d[:, None] + m[:, None]
+    return Affine.of(x, d, m)
 
 
 @register("Q8_0")
 def q8_0(blocks: torch.Tensor) -> torch.Tensor:
     d = f.f16(blocks, 0)
-    return f.i8(blocks, 2, 32).float() * d[:, None]
+    return Affine.of(f.i8(blocks, 2, 32), d)

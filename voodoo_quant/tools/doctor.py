@@ -158,6 +158,21 @@ def _variables(environ: Mapping[str, str]) -> list[Check]:
     return out
 
 
+def _mix_kernel() -> list[Check]:
+    from .. import envs, mixkernel
+
+    try:
+        lib = mixkernel.load()
+    except VoodooError as e:  # a bad VOODOO_MIX_KERNEL value: the variables' check says which
+        return [Check("mixing kernel", WARN, "not checked", str(e))]
+    if lib is not None:
+        return [Check("mixing kernel", OK, lib._name, "eager CPU candidates are held as int8 codes")]
+    reason = mixkernel.unavailable_reason() or "unknown"
+    fix = "" if not envs.mix_kernel() else "install a C compiler (cc), e.g. `apt install gcc`"
+    return [Check("mixing kernel", WARN, "off", f"{reason}: eager CPU candidates stay float32 stacks "
+                  "(about 3x the memory, a slower step)", fix)]
+
+
 def run_doctor(config: DoctorConfig | None = None, environ: Mapping[str, str] | None = None) -> DoctorReport:
     """Build the report. `environ` defaults to the process environment (read, never written)."""
     cfg = config or DoctorConfig()
@@ -166,5 +181,6 @@ def run_doctor(config: DoctorConfig | None = None, environ: Mapping[str, str] | 
     checks += _torch_and_hardware(cfg, env)
     checks += _libggml()
     checks += _tools()
+    checks += _mix_kernel()
     checks += _variables(env)
     return DoctorReport(tuple(checks))
