@@ -173,3 +173,18 @@ def test_switched_off_by_the_environment_variable(monkeypatch):
 
     with pytest.raises(EnvironmentVarError):
         mixkernel.load()
+
+
+def test_a_deep_copy_mixes_from_its_own_tensors():
+    import copy
+
+    plan = _plan(("Q8_0", "Q4_K"))
+    blobs = _blobs(plan, seed=8)
+    dense = _dense(plan, blobs)
+    cc = CompactCandidates.build(plan, blobs, dense)
+    twin = copy.deepcopy(cc)
+    for c in cc.codes:
+        c.zero_()  # the original's codes change; the copy must not see it
+    p = torch.tensor([0.25, 0.75])
+    assert torch.equal(_bits(twin.mix(p)), _bits(_loop_mix(dense, p)))
+    assert not torch.equal(_bits(cc.mix(p)), _bits(_loop_mix(dense, p)))

@@ -16,6 +16,7 @@ float32 sum of the ``--lazy`` path, bit for bit.
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import functools
 from typing import Sequence
@@ -115,6 +116,12 @@ class CompactCandidates:
             if not torch.equal(out(k).view(torch.int32), d.reshape(out.shape).contiguous().view(torch.int32)):
                 return None  # not bit for bit what to_float gives: keep the float32 stack
         return out
+
+    def __deepcopy__(self, memo) -> "CompactCandidates":
+        """A copy with its own tensors, and kernel descriptors that point at them (not at ours)."""
+        dc = copy.deepcopy
+        return CompactCandidates(self.name, self.shape, dc(self.codes, memo), dc(self.scales, memo),
+                                 dc(self.offsets, memo), list(self.shifts), self._lib)
 
     # -- the interface of a lazy candidate source (layers._Mix, MixedQuant, rungs) ----------------
     def __call__(self, k: int) -> torch.Tensor:
