@@ -188,3 +188,30 @@ def test_a_deep_copy_mixes_from_its_own_tensors():
     p = torch.tensor([0.25, 0.75])
     assert torch.equal(_bits(twin.mix(p)), _bits(_loop_mix(dense, p)))
     assert not torch.equal(_bits(cc.mix(p)), _bits(_loop_mix(dense, p)))
+
+
+def test_where_the_compiler_refuses_the_flags_a_portable_build_gives_the_same_bits(monkeypatch, tmp_path):
+    """Apple clang has no -fopenmp: the kernel is then built single-threaded and generic, and the
+    mixture is still the sequential sum bit for bit."""
+    monkeypatch.setenv("VOODOO_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(mixkernel, "FLAGS", ("-fno-such-flag-anywhere", *mixkernel.PORTABLE_FLAGS))
+    monkeypatch.setattr(mixkernel, "_loaded", None)
+    monkeypatch.setattr(mixkernel, "_failure", None)
+    lib = mixkernel.load()
+    assert lib is not None and len(list((tmp_path / "kernels").glob("mix-*.so"))) == 1
+    plan = _plan(("Q8_0", "Q5_1", "Q3_K", "IQ2_S"))
+    blobs = _blobs(plan, seed=9)
+    dense = _dense(plan, blobs)
+    cc = CompactCandidates.build(plan, blobs, dense)
+    assert cc is not None and cc._lib is lib
+    p = torch.softmax(torch.arange(4.0), 0)
+    assert torch.equal(_bits(cc.mix(p)), _bits(_loop_mix(dense, p)))
+
+
+def test_no_compiler_keeps_float_stacks_and_says_why(monkeypatch):
+    monkeypatch.setattr(mixkernel, "_compiler", lambda: None)
+    monkeypatch.setattr(mixkernel, "_loaded", None)
+    monkeypatch.setattr(mixkernel, "_failure", None)
+    plan = _plan(("Q8_0", "Q4_0"))
+    assert build_mixed(plan, _blobs(plan), lazy=False, dtype=torch.float32).stacked is not None
+    assert "no C compiler" in mixkernel.unavailable_reason()

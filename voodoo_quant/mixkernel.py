@@ -179,6 +179,8 @@ void vq_mix_backward(int64_t n, int32_t k_count, const vq_cand *cands, const flo
 """
 
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-fast-math", "-std=c11", "-shared", "-fPIC")
+# Where the compiler refuses those (Apple clang has no -fopenmp): one thread, generic code, the same bits.
+PORTABLE_FLAGS = ("-O3", "-ffp-contract=off", "-fno-fast-math", "-std=c11", "-shared", "-fPIC")
 
 
 class Cand(ctypes.Structure):
@@ -212,7 +214,7 @@ def _compiler() -> tuple[str, str] | None:
     return cc, version
 
 
-def _build(cc: str, key: str) -> Path:
+def _build(cc: str, key: str, flags: tuple[str, ...]) -> Path:
     out_dir = envs.cache_dir() / "kernels"
     out_dir.mkdir(parents=True, exist_ok=True)
     lib = out_dir / f"mix-{key}.so"
@@ -222,9 +224,10 @@ def _build(cc: str, key: str) -> Path:
         src = Path(tmp) / "mix.c"
         src.write_text(_SOURCE)
         tmp_lib = Path(tmp) / "mix.so"
-        proc = subprocess.run([cc, *FLAGS, str(src), "-o", str(tmp_lib)], capture_output=True, text=True, timeout=300)
+        proc = subprocess.run([cc, *flags, str(src), "-o", str(tmp_lib)], capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
-            raise RuntimeError((proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["compiler failed"])
+            lines = (proc.stderr or proc.stdout).strip().splitlines()
+            raise RuntimeError(lines[-1] if lines else f"{cc} exited with {proc.returncode}")
         os.replace(tmp_lib, lib)  # atomic: a concurrent builder finds a whole library or none
     return lib
 
@@ -245,11 +248,16 @@ def load() -> ctypes.CDLL | None:
             _failure = "no C compiler (cc, gcc or clang) found"
         else:
             cc, version = found
-            key = hashlib.sha256("\n".join([_SOURCE, " ".join(FLAGS), version, _cpu_key()]).encode()).hexdigest()[:16]
-            try:
-                lib = ctypes.CDLL(str(_build(cc, key)))
-            except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-                _failure = f"the mixing kernel did not build: {e}"
+            lib, errors = None, []
+            for flags in (FLAGS, PORTABLE_FLAGS):
+                key = hashlib.sha256("\n".join([_SOURCE, " ".join(flags), version, _cpu_key()]).encode()).hexdigest()[:16]
+                try:
+                    lib = ctypes.CDLL(str(_build(cc, key, flags)))
+                    break
+                except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+                    errors.append(str(e))
+            if lib is None:
+                _failure = f"the mixing kernel did not build: {errors[-1]}"
             else:
                 i64, i32, ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
                 lib.vq_expand.argtypes = [i64, ptr, ptr, i32]
