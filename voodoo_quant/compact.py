@@ -24,7 +24,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from . import mixkernel
+from . import envs, mixkernel
 from . import qtypes as qt
 from . import quants
 
@@ -54,6 +54,19 @@ def bytes_per_weight(qtype: str) -> float | None:
     if a is None:
         return None
     return 1.0 + (4.0 + (4.0 if a.offset is not None else 0.0)) / a.sub_len
+
+
+def holds_codes(device_kind: str, dtype: str, world: int) -> bool:
+    """Whether a run keeps eager candidates as int8 codes (``student.build_mixed``): float32 on
+    the CPU, in one process, the kernel switched on (a missing compiler shows when it is built)."""
+    return device_kind == "cpu" and dtype == "float32" and world == 1 and envs.mix_kernel()
+
+
+def held_bytes(types: Sequence[str], numel: int) -> float:
+    """Bytes of a tensor of `numel` weights with candidates `types` held as codes; a menu with a
+    float rung keeps its float32 stack (:meth:`CompactCandidates.build`)."""
+    per = [bytes_per_weight(t) for t in types]
+    return numel * (sum(per) if None not in per else 4.0 * len(per))
 
 
 class CompactCandidates:

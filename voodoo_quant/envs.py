@@ -108,22 +108,21 @@ def tp_timeout_min(env: Mapping[str, str] | None = None) -> int:
     return _positive_int("VOODOO_TP_TIMEOUT_MIN", env, lambda: 240)
 
 
-def tiny_recipe(env: Mapping[str, str] | None = None) -> bool:
-    raw = _get("VOODOO_TINY_RECIPE", env)
+def _switch(name: str, env: Mapping[str, str] | None, default: bool) -> bool:
+    raw = _get(name, env)
     if raw is None:
-        return False
+        return default
     if raw not in ("0", "1"):
-        raise EnvironmentVarError(f"VOODOO_TINY_RECIPE={raw!r} must be 0 or 1")
+        raise EnvironmentVarError(f"{name}={raw!r} must be 0 or 1")
     return raw == "1"
+
+
+def tiny_recipe(env: Mapping[str, str] | None = None) -> bool:
+    return _switch("VOODOO_TINY_RECIPE", env, False)
 
 
 def mix_kernel(env: Mapping[str, str] | None = None) -> bool:
-    raw = _get("VOODOO_MIX_KERNEL", env)
-    if raw is None:
-        return True
-    if raw not in ("0", "1"):
-        raise EnvironmentVarError(f"VOODOO_MIX_KERNEL={raw!r} must be 0 or 1")
-    return raw == "1"
+    return _switch("VOODOO_MIX_KERNEL", env, True)
 
 
 def fault_at(env: Mapping[str, str] | None = None) -> tuple[str, int] | None:

@@ -47,6 +47,7 @@ from typing import Any, Sequence
 import torch
 import torch.nn as nn
 
+from . import compact
 from .memory_probe import _layer_kinds, layer_saved_bytes
 
 GB = 1e9
@@ -109,14 +110,6 @@ class MemoryPlan:
         return out
 
 
-def _holds_codes(cfg, kind: str, world: int) -> bool:
-    """Whether eager candidates are kept as int8 codes (student.build_mixed): float32 on the CPU,
-    one process, the kernel switched on (a missing compiler is found only when it is built)."""
-    from . import envs
-
-    return kind == "cpu" and cfg.dtype == "float32" and world == 1 and envs.mix_kernel()
-
-
 def _numel(shape: Sequence[int]) -> int:
     n = 1
     for s in shape:
@@ -176,14 +169,8 @@ def plan_memory(cfg, model: nn.Module, plans: Sequence, *, adapter=None, tp_plan
     if cfg.lazy:
         cand = sum(sum(p.sizes) * frac[p.name] for p in plans)
         mp.device.append(Term("candidates (packed, --lazy)", cand, f"{cand * 8 / max(1, sum(sel.values())):.1f} bits/weight"))
-    elif _holds_codes(cfg, kind, world):
-        from .compact import bytes_per_weight
-
-        def held(p) -> float:  # a menu with a float rung keeps its float32 stack (compact.py)
-            per = [bytes_per_weight(t) for t in p.menu.types]
-            return sel[p.name] * (sum(per) if None not in per else len(per) * db)
-
-        cand = sum(held(p) for p in plans)
+    elif compact.holds_codes(kind, cfg.dtype, world):
+        cand = sum(compact.held_bytes(p.menu.types, sel[p.name]) for p in plans)
         mp.device.append(Term("candidates (int8 codes, eager)", cand,
                               f"{cand * 8 / max(1, sum(sel.values())):.1f} bits/weight: codes + sub-block scales, "
                               "mixed by the native kernel"))
