@@ -31,6 +31,10 @@ class _RowLayout(IdentityLayout):
         super().__init__(None, shape)
         self.perm = torch.as_tensor(perm)
 
+    @property
+    def is_identity(self):
+        return False
+
     def from_gguf(self, m):
         out = torch.empty_like(m.reshape(self.shape))
         out[self.perm] = m.reshape(self.shape)

@@ -33,11 +33,14 @@ def _sub_block_order(layout, rows: int, n_per_row: int, sub: int) -> torch.Tenso
     """For each sub-block of `sub` weights of the HF tensor (flat order), the index of the GGUF
     sub-block it is; None when the layout does not move whole aligned sub-blocks."""
     n = rows * n_per_row
-    idx = layout.from_gguf(torch.arange(n, dtype=torch.int64).view(rows, n_per_row)).reshape(-1, sub)
+    if getattr(layout, "is_identity", False):  # most tensors (the embedding first): nothing to index
+        return torch.arange(n // sub)
+    dtype = torch.int32 if n < 2**31 else torch.int64
+    idx = layout.from_gguf(torch.arange(n, dtype=dtype).view(rows, n_per_row)).reshape(-1, sub)
     first = idx[:, 0]
-    if bool((first % sub).ne(0).any()) or not torch.equal(idx, first[:, None] + torch.arange(sub)):
+    if bool((first % sub).ne(0).any()) or not torch.equal(idx, first[:, None] + torch.arange(sub, dtype=dtype)):
         return None
-    return first // sub
+    return (first // sub).long()
 
 
 @functools.lru_cache(maxsize=None)

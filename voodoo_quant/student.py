@@ -52,6 +52,11 @@ class IdentityLayout:
     def rows(self) -> int:
         return int(np.prod(self.shape[:-1]))
 
+    @property
+    def is_identity(self) -> bool:
+        """The HF tensor's flat order is the GGUF's."""
+        return True
+
     def to_gguf(self, w: torch.Tensor) -> np.ndarray:
         return np.ascontiguousarray(w.detach().to(torch.float32).cpu().reshape(self.rows, self.n_per_row).numpy())
 
@@ -123,6 +128,10 @@ class ConverterLayout:
     @property
     def n_per_row(self) -> int:
         return self.inner.n_per_row
+
+    @property
+    def is_identity(self) -> bool:
+        return bool(self.inner.is_identity)
 
     def to_gguf(self, w: torch.Tensor) -> np.ndarray:
         return self.inner.to_gguf(w.detach().to(torch.float32).cpu())
