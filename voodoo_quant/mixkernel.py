@@ -44,7 +44,7 @@ _SOURCE = r"""
 #include <stdint.h>
 #include <stddef.h>
 
-#define CHUNK 4096
+#define CHUNK @CHUNK@
 #define LANES 32
 
 typedef struct {
@@ -176,7 +176,7 @@ void vq_mix_backward(int64_t n, int32_t k_count, const vq_cand *cands, const flo
         grad[k] = s;
     }
 }
-"""
+""".replace("@CHUNK@", str(CHUNK))  # one value for the kernel and the scratch its caller sizes
 
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-fast-math", "-std=c11", "-shared", "-fPIC")
 # Where the compiler refuses those (Apple clang has no -fopenmp): one thread, generic code, the same bits.
