@@ -51,6 +51,9 @@ class Assignment:
     # quantizable tensors no candidate covers, written as llama-quantize's base type (budget.py):
     # {GGUF name: [type, bytes]}; None = not recorded (hand-made assignments)
     fixed: dict[str, list] | None = None
+    # --error_compensation (compensate.py): {"method", "damp", "hessians" (path), "sha256", "tensors"};
+    # None = every candidate quantized the weights as they are
+    compensation: dict[str, Any] | None = None
     format_version: int = FORMAT_VERSION  # of the file it was read from
 
     PROVENANCE = ("weights_sha256", "ggml_version", "menus")
@@ -96,6 +99,7 @@ class Assignment:
             "menus": self.menus,
             "base_checkpoint": self.base_checkpoint,
             "fixed": self.fixed,
+            "compensation": self.compensation,
             "total_bytes": self.total_bytes,
             "bpw": round(self.bpw, 4),
             "meta": self.meta,
@@ -123,6 +127,7 @@ class Assignment:
                 menus=d.get("menus"),
                 base_checkpoint=d.get("base_checkpoint"),
                 fixed=d.get("fixed"),
+                compensation=d.get("compensation"),
                 format_version=int(d["format_version"]),
             )
         except CorruptFileError:

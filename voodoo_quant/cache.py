@@ -47,11 +47,16 @@ class CacheKey:
     qtype: str
     imatrix: str | None  # sha256 of the float32 imatrix vector, None = quantized without one
     lib_version: str
+    # Compensation.digest when the quantizer was given the error-compensated matrix
+    # (compensate.py); None = the matrix itself, and the key's digest is what it always was.
+    compensation: str | None = None
 
     @property
     def digest(self) -> str:
-        blob = json.dumps([FORMAT, self.content, list(self.shape), self.qtype, self.imatrix, self.lib_version])
-        return hashlib.sha256(blob.encode()).hexdigest()
+        fields = [FORMAT, self.content, list(self.shape), self.qtype, self.imatrix, self.lib_version]
+        if self.compensation is not None:
+            fields.append(self.compensation)
+        return hashlib.sha256(json.dumps(fields).encode()).hexdigest()
 
     @property
     def nbytes(self) -> int:
@@ -86,11 +91,13 @@ class CandidateCache:
     # -- keys ----------------------------------------------------------------------------------
     @staticmethod
     def key(matrix: np.ndarray, qtype: str, imatrix: np.ndarray | None = None,
-            version: str | None = None, *, content: str | None = None) -> CacheKey:
+            version: str | None = None, *, content: str | None = None, compensation=None) -> CacheKey:
         """Key of `matrix` (2-D float32, GGUF layout: rows × n_per_row) in `qtype`.
 
         `content` may pass a precomputed :func:`matrix_hash` (hashing a large tensor once for
-        all of its types)."""
+        all of its types); `compensation` (a :class:`~voodoo_quant.compensate.Compensation`)
+        keys the bytes of the compensated matrix instead (float types take none)."""
+        from .compensate import applies
         from .imatrix import vector_hash
 
         q = qt.get(qtype)
@@ -108,6 +115,7 @@ class CandidateCache:
             qtype=q.name,
             imatrix=vector_hash(imatrix),
             lib_version=version if version is not None else lib_version(),
+            compensation=compensation.digest if compensation is not None and applies(q) else None,
         )
 
     def entry_dir(self, key: CacheKey) -> Path:
@@ -129,7 +137,8 @@ class CandidateCache:
         except (OSError, ValueError):
             return "meta.json unreadable"
         expect = {"format": FORMAT, "content": key.content, "shape": list(key.shape), "qtype": key.qtype,
-                  "imatrix": key.imatrix, "lib_version": key.lib_version, "nbytes": key.nbytes}
+                  "imatrix": key.imatrix, "lib_version": key.lib_version, "nbytes": key.nbytes,
+                  "compensation": key.compensation}
         for k, v in expect.items():
             if meta.get(k) != v:
                 return f"meta.json {k}={meta.get(k)!r}, expected {v!r}"
@@ -190,6 +199,7 @@ class CandidateCache:
             "imatrix": key.imatrix,
             "lib_version": key.lib_version,
             "nbytes": key.nbytes,
+            **({"compensation": key.compensation} if key.compensation is not None else {}),
             "sha256": hashlib.sha256(data).hexdigest(),
             "created": time.time(),
         }
@@ -198,15 +208,16 @@ class CandidateCache:
 
     # -- build ---------------------------------------------------------------------------------
     def get_or_build(self, matrix: np.ndarray, qtype: str, imatrix: np.ndarray | None = None, *,
-                     name: str = "tensor", key: CacheKey | None = None, workers: int | None = None) -> bytes:
-        """Cached bytes of `matrix` in `qtype`, quantizing with libggml-base on a miss."""
-        from . import ggml
+                     name: str = "tensor", key: CacheKey | None = None, workers: int | None = None,
+                     compensation=None) -> bytes:
+        """Cached bytes of `matrix` in `qtype`, quantizing with libggml-base on a miss (the
+        error-compensated matrix with `compensation`, compensate.py)."""
+        from .compensate import quantize_compensated
 
-        key = key or self.key(matrix, qtype, imatrix)
+        key = key or self.key(matrix, qtype, imatrix, compensation=compensation)
         data = self.get(key)
         if data is None:
-            data = ggml.lib().quantize(np.ascontiguousarray(matrix, dtype=np.float32), key.qtype,
-                                       imatrix, name=name, workers=workers)
+            data = quantize_compensated(matrix, key.qtype, imatrix, compensation, name=name, workers=workers)
             self.put(key, data, {"name": name})
             self.stats.built += 1
         return data

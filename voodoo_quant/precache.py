@@ -18,7 +18,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wai
 from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
@@ -42,13 +42,15 @@ _REF_ELEMENTS = 4096 * 4096
 @dataclass
 class CandidateJob:
     """One candidate to build: tensor `name` (its matrix in GGUF layout, float32, 2-D, or a
-    callable returning it) in `qtype`, with the imatrix vector or None."""
+    callable returning it) in `qtype`, with the imatrix vector or None, and the error
+    compensation (compensate.py) or None."""
 
     name: str
     qtype: str
     matrix: np.ndarray | None = None
     provider: Callable[[], np.ndarray] | None = None
     imatrix: np.ndarray | None = None
+    compensation: Any = None
 
     def __post_init__(self) -> None:
         self.qtype = qt.get(self.qtype).name
@@ -79,12 +81,14 @@ def _worker_init(lib_path: str | None, iq_types: tuple[str, ...]) -> None:
 
 
 def _worker_build(root: str, npy: str, key: CacheKey, imatrix: np.ndarray | None, name: str,
-                  lib_path: str | None) -> tuple[int, float]:
+                  lib_path: str | None, compensation=None) -> tuple[int, float]:
     from . import ggml
+    from .compensate import quantize_compensated
 
     t0 = time.perf_counter()
     m = np.load(npy, mmap_mode="r")
-    data = ggml.lib(lib_path).quantize(np.ascontiguousarray(m), key.qtype, imatrix, name=name, workers=1)
+    data = quantize_compensated(np.ascontiguousarray(m), key.qtype, imatrix, compensation, lib=ggml.lib(lib_path),
+                                name=name, workers=1)
     CandidateCache(root).put(key, data, {"name": name})
     return len(data), time.perf_counter() - t0
 
@@ -163,7 +167,7 @@ def build_all(
         shapes[name] = m.shape
         content = matrix_hash(m)
         for j in group:
-            k = CandidateCache.key(m, j.qtype, j.imatrix, version, content=content)
+            k = CandidateCache.key(m, j.qtype, j.imatrix, version, content=content, compensation=j.compensation)
             keys[(name, j.qtype)] = k
             if not cache.contains(k):
                 todo.append((job_cost(j.qtype, m.size, j.imatrix is not None), name, j, k))
@@ -175,7 +179,8 @@ def build_all(
     with _Progress(progress, todo, cached) as bar:
         if todo and n_workers == 1 and pool is None:
             for _cost, name, j, k in todo:
-                data = cache.get_or_build(j.load(), j.qtype, j.imatrix, name=name, key=k, workers=1)
+                data = cache.get_or_build(j.load(), j.qtype, j.imatrix, name=name, key=k, workers=1,
+                                          compensation=j.compensation)
                 bytes_built += len(data)
                 bar.advance(_cost, len(data))
         elif todo:
@@ -224,7 +229,8 @@ def _run_pool(todo, cache: CandidateCache, pool: QuantPool | None, n_workers: in
             files[name] = tmp / f"{i}.npy"
             np.save(files[name], items[0][2].load())
             for cost, _n, j, k in items:
-                f = pool.submit(_worker_build, str(cache.root), str(files[name]), k, j.imatrix, name, pool.lib_path)
+                f = pool.submit(_worker_build, str(cache.root), str(files[name]), k, j.imatrix, name, pool.lib_path,
+                                j.compensation)
                 pending[f] = (cost, name)
         while pending:
             collect()

@@ -179,6 +179,30 @@ def resolve_imatrix(asg, given: Any, *, allow: bool):
     return loaded
 
 
+def resolve_compensation(asg, *, allow: bool) -> dict:
+    """HF tensor name → the :class:`~voodoo_quant.compensate.Compensation` its candidates were
+    quantized with (``--error_compensation``), from the Hessians file the assignment records,
+    checked by its sha256; {} when training used none. A missing file is refused even with the
+    override: without it the trained bytes cannot be written."""
+    from .compensate import compensations, load_hessians
+
+    rec = asg.compensation
+    if not rec:
+        return {}
+    p = Path(str(rec.get("hessians", "")))
+    if not p.is_file():
+        raise ProvenanceMismatchError(
+            f"Hessians missing: the assignment was trained with --error_compensation {rec.get('method')} from {p}, "
+            "which no longer exists; its candidates cannot be reproduced without it")
+    from .fileio import sha256_file
+
+    got = sha256_file(p)
+    if got != rec.get("sha256"):
+        refuse_or_warn(f"Hessians mismatch: the assignment was trained with {p} (sha256 {rec.get('sha256')}), "
+                       f"the file now has sha256 {got}", allow)
+    return compensations(load_hessians(p), float(rec["damp"]))
+
+
 def check_fixed(asg, fixed: Mapping[str, str], *, allow: bool) -> None:
     """Refuse when export would write other not-covered tensors than the budget counted."""
     if asg.fixed is None:

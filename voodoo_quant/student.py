@@ -401,16 +401,22 @@ def candidate_bytes(
     imatrix: Mapping[str, np.ndarray] | None,
     quantize: QuantizeFn = direct_quantize,
 ) -> list[bytes]:
-    """The ggml bytes of every rung of `plan`'s menu, quantized from the GGUF-layout matrix."""
+    """The ggml bytes of every rung of `plan`'s menu, quantized from the GGUF-layout matrix
+    (error-compensated per type when `imatrix` is a QuantInputs carrying the tensor's
+    compensation, compensate.py)."""
+    from .compensate import applies, compensated_matrix, compensation_of
+
     m = plan.layout.to_gguf(weight)
     vec = None
     if imatrix is not None and plan.gguf_name is not None:
         vec = imatrix.get(plan.gguf_name)
+    comp = compensation_of(imatrix, plan.name)
     out = []
     for t in plan.menu.types:
         q = qt.get(t)
         use = vec if vec is not None and not q.is_float else None
-        out.append(quantize(m, t, use, plan.name))
+        src = compensated_matrix(m, q, use, comp) if comp is not None and applies(q) else m
+        out.append(quantize(src, t, use, plan.name))
     return out
 
 
@@ -419,14 +425,17 @@ def candidate_jobs(plans: Sequence[TensorPlan], weights: Mapping[str, torch.Tens
     """One cache-build job per (tensor, menu rung), with the tensor's GGUF-layout matrix."""
     from .precache import CandidateJob
 
+    from .compensate import compensation_of
+
     jobs = []
     for plan in plans:
         w = weights[plan.name]
         vec = imatrix.get(plan.gguf_name) if imatrix is not None and plan.gguf_name is not None else None
+        comp = compensation_of(imatrix, plan.name)
         provider = (lambda lay=plan.layout, w=w: lay.to_gguf(w))
         for t in plan.menu.types:
             use = vec if vec is not None and not qt.get(t).is_float else None
-            jobs.append(CandidateJob(plan.name, t, provider=provider, imatrix=use))
+            jobs.append(CandidateJob(plan.name, t, provider=provider, imatrix=use, compensation=comp))
     return jobs
 
 

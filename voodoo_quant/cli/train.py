@@ -88,6 +88,9 @@ def register(app: typer.Typer) -> None:
         relaxation_gap: bool = typer.Option(False, "--relaxation_gap/--no_relaxation_gap", help="Add to the loss the KL the soft mixture hides from a one-hot file (½ Σ_k p_k (W_k − W̄)ᵀF(W_k − W̄), from the Fisher curvature): the gates then descend the expected KL of the file they bake.", rich_help_panel=O),
         search_margin: float = typer.Option(0.0, "--search_margin", help="Keep a search move only when the KL drop, paired over the held-aside sequences, exceeds this many standard errors (0: any drop).", rich_help_panel=F),
         guarantee: bool = typer.Option(True, "--guarantee/--no_guarantee", help="Measure the best uniform types, the stock llama-quantize recipes and the knapsack that fit the budget beside the gates' bake, and start the search from the best.", rich_help_panel=F),
+        error_compensation: str = typer.Option("none", "--error_compensation", help="none: every candidate quantizes the weights as they are (what stock llama-quantize does); gptq: each tensor is handed to the same quantizer with every block's rounding error passed on to its later columns, from the layer inputs' Hessians on calibration text (a better file; stock llama-quantize cannot reproduce its bytes).", rich_help_panel=X),
+        compensation_sequences: int = typer.Option(32, "--compensation_sequences", help="Calibration sequences of the Hessians under --error_compensation gptq (first N of the training tokens).", rich_help_panel=X),
+        compensation_damp: float = typer.Option(0.1, "--compensation_damp", help="Damping of the Hessians: H + λ·mean(diag H)·I.", rich_help_panel=X),
         stock_references: Optional[str] = typer.Option(None, "--stock_references", help="llama-quantize ftypes the guarantee considers (default: all; the largest three that fit are measured).", rich_help_panel=F),
     ) -> None:
         """Train the gates under the size budget, bake, and write the assignment."""
@@ -130,4 +133,5 @@ _FIELDS = {
     "resume", "dry_run", "method", "ptqr", "st_gumbel_fraction", "st_gumbel_tau", "warm_start", "warm_start_mass",
     "sensitivity_sequences", "polish", "loss_chunk_size", "grad_accum_steps", "teacher_device", "log_file",
     "finalize_from_partial", "resume_from_partial", "search_sequences", "search_evals", "search_margin", "relaxation_gap", "guarantee", "stock_references", "sensitivity_kind",
+    "error_compensation", "compensation_sequences", "compensation_damp",
 }

@@ -31,6 +31,7 @@ from .. import converter, faults, fileio, ggml, provenance
 from .. import qtypes as qt
 from ..assignment import Assignment
 from ..budget import BASE_TYPE, base_type_for
+from ..compensate import quantize_compensated
 from ..errors import ConfigError, CorruptFileError, QuantizationInputError
 from ..layout import checkpoint_tensors, find_layout, ggml_n_dims, llama_quantize_allows, model_layouts
 
@@ -229,6 +230,7 @@ def export(cfg: ExportConfig) -> ExportResult:
     # Provenance first: refuse before minutes of converting (one line naming both values).
     provenance.check_recorded(asg, source=source, allow=cfg.allow_mismatch)
     imat = provenance.resolve_imatrix(asg, cfg.imatrix, allow=cfg.allow_mismatch)
+    comps = provenance.resolve_compensation(asg, allow=cfg.allow_mismatch)  # HF name -> Compensation
     out_path = cfg.output_dir / cfg.file_name()
     if out_path.exists() and not cfg.overwrite:
         raise fileio.OutputExistsError(f"{out_path} exists; pass --overwrite to replace it")
@@ -242,6 +244,7 @@ def export(cfg: ExportConfig) -> ExportResult:
         tmp = Path(tmpd)
         model_dir = cfg.model if cfg.base_checkpoint is None else _hf_dir_with_weights(cfg.model, cfg.base_checkpoint, tmp)
         selected, gguf_names = _selected(asg, cfg.model)
+        comp_of = {gguf_names[n]: c for n, c in comps.items() if n in gguf_names}
         f32_path = converter.convert(model_dir, tmp / "model-f32.gguf", outtype="f32")
         reader = gguf.GGUFReader(f32_path)
         present = {t.name for t in reader.tensors}
@@ -313,6 +316,8 @@ def export(cfg: ExportConfig) -> ExportResult:
                     w.add_int32("quantize.imatrix.chunks_count", int(imat.chunk_count))
             w.add_float32("voodoo.bpw", float(bpw))
             w.add_float32("voodoo.file_bpw", float(file_bpw))
+            if asg.compensation:
+                w.add_string("voodoo.error_compensation", str(asg.compensation.get("method")))
             if cfg.size_percent is not None:
                 w.add_uint32("voodoo.size_percent", int(cfg.size_percent))
                 if cfg.size_percent in qt.BADGES:
@@ -338,7 +343,8 @@ def export(cfg: ExportConfig) -> ExportResult:
                 w2 = np.ascontiguousarray(np.asarray(t.data, dtype=np.float32).reshape(-1, shape[-1]))
                 # Q8_0 and F16 (the base type and its fallback) take no imatrix (quantize_q8_0 ignores it)
                 vec = None if imat is None or t.name in fixed or qt.get(q).is_float else imat.get_vector(t.name, shape[-1])
-                data = lib.quantize(w2, q, vec, name=t.name, workers=cfg.workers)
+                comp = None if t.name in fixed else comp_of.get(t.name)  # the candidates' compensation
+                data = quantize_compensated(w2, q, vec, comp, lib=lib, name=t.name, workers=cfg.workers)
                 w.write_tensor_data(np.frombuffer(data, dtype=np.uint8))
             w.close()
 

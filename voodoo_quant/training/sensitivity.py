@@ -150,8 +150,8 @@ def table_key(plans: Sequence, tokens: torch.Tensor, model: str, *, weights_sha2
               vectors: Mapping, seed: int) -> str:
     """What a table depends on: model, every tensor's menu and bytes, the calibration tokens, the
     float weights (``provenance`` hash: another --base_checkpoint changes every s), the
-    imatrix vector each tensor's candidates are quantized with (another imatrix changes them) and
-    the seed (the Fisher pass draws its labels from it; an output-error table without curvature
+    imatrix vector each tensor's candidates are quantized with (another imatrix changes them), the
+    error compensation they were quantized with, and the seed (the Fisher pass draws its labels from it; an output-error table without curvature
     does not use it, and is recomputed for another seed all the same)."""
     from ..imatrix import vector_hash
 
@@ -162,6 +162,9 @@ def table_key(plans: Sequence, tokens: torch.Tensor, model: str, *, weights_sha2
     h.update(weights_sha256.encode())
     h.update(json.dumps(sorted((str(k), vector_hash(v)) for k, v in vectors.items())).encode())
     h.update(f"seed {seed}".encode())
+    comp = getattr(vectors, "compensation", None)  # compensated candidates are other candidates
+    if comp:
+        h.update(json.dumps(sorted((n, c.digest) for n, c in comp.items())).encode())
     return h.hexdigest()[:16]
 
 

@@ -14,6 +14,7 @@ import torch.nn as nn
 
 from .. import envs, fileio
 from ..arch import adapter_for
+from ..compensate import compensation_of
 from ..arch.base import ArchAdapter
 from ..budget import Budget, make_budget
 from ..errors import ConfigError, CorruptFileError
@@ -234,10 +235,11 @@ def _jobs(plans, weights, vectors):
     jobs = []
     for plan in plans:
         vec = vectors.get(plan.gguf_name) if vectors and plan.gguf_name is not None else None
+        comp = compensation_of(vectors, plan.name)
         provider = (lambda lay=plan.layout, get=weights.lazy(plan.name): lay.to_gguf(get()))
         for t in plan.menu.types:
             use = vec if vec is not None and not qt.get(t).is_float else None
-            jobs.append(CandidateJob(plan.name, t, provider=provider, imatrix=use))
+            jobs.append(CandidateJob(plan.name, t, provider=provider, imatrix=use, compensation=comp))
     return jobs
 
 
@@ -267,9 +269,11 @@ def extra_candidate_blobs(plans: list[TensorPlan], weights: dict[str, torch.Tens
             continue
         w = weights[p.name]
         vec = vectors.get(p.gguf_name) if p.gguf_name is not None else None
+        comp = compensation_of(vectors, p.name)
         provider = (lambda lay=p.layout, w=w: lay.to_gguf(w))
         for t in types:
-            jobs.append(CandidateJob(p.name, t, provider=provider, imatrix=None if qt.get(t).is_float else vec))
+            jobs.append(CandidateJob(p.name, t, provider=provider, imatrix=None if qt.get(t).is_float else vec,
+                                     compensation=comp))
     if not jobs:
         return {}
     report = build_all(jobs, CandidateCache(), progress=progress)

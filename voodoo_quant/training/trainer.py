@@ -108,6 +108,7 @@ class Trainer:
         adapter, plans, budget = plan_run(cfg, base, imx)
         vectors = imatrix_vectors(imx, plans)
         tp_plan = None
+        compensation = None
         if tp is not None:
             from ..parallel import plan_tp
 
@@ -119,6 +120,15 @@ class Trainer:
         self.run.provenance = provenance.run_record(cfg, plans, base, getattr(imx, "sha256", None), budget)  # before any cast
         if build and cfg.method == "gates":  # under TP too: every rank trains on the same batches as one process
             self.run.tokens, self.run.held_tokens = hold_aside(tokens, cfg.search_sequences)
+        if cfg.error_compensation != "none" and (build or cfg.needs_sensitivity):
+            from ..compensate import QuantInputs
+            from . import hessians
+
+            comps, compensation = hessians.ensure(cfg, base, plans, self.run.tokens,
+                                                  weights_sha256=self.run.provenance["weights_sha256"],
+                                                  progress=self.progress)
+            vectors = QuantInputs(vectors, comps)
+        self.run.provenance["compensation"] = compensation
         if cfg.needs_sensitivity:
             from .sensitivity import ensure_table
 

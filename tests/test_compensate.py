@@ -1,0 +1,266 @@
+"""Error compensation (voodoo_quant/compensate.py, training/hessians.py): the quantizer is handed
+W' instead of W, so that each block's rounding error is absorbed by the later columns.
+
+- W' lowers the layer-output error ‖(W − Ŵ)X‖² against plain quantization, for legacy, K- and
+  IQ types (this can fail: a wrong sign or a wrong factor makes it worse);
+- it is deterministic, whatever torch's thread count; float types and dead columns are untouched;
+- the cache keys compensated bytes apart from plain ones, and a plain key is what it always was;
+- the Hessians are XᵀX of each Linear's input, one per shared input, in GGUF column order;
+- end to end: a run with ``--error_compensation gptq`` exports exactly the bytes of its training
+  candidates (which differ from plain quantization), and export refuses a changed or missing
+  Hessians file.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from voodoo_quant import ggml
+from voodoo_quant import qtypes as qt
+from voodoo_quant.cache import FORMAT, CacheKey, CandidateCache
+from voodoo_quant.compensate import (
+    Compensation, QuantInputs, compensated_matrix, compensation_of, load_hessians, quantize_compensated, save_hessians,
+)
+from voodoo_quant.errors import CorruptFileError, QuantizationInputError
+
+
+def _problem(rows=64, n=512, tokens=4096, seed=0):
+    """W and inputs X with correlated features (as a layer's inputs are), and H = XᵀX."""
+    rng = np.random.default_rng(seed)
+    mix = rng.normal(size=(n, n)) / np.sqrt(n) + np.eye(n)
+    scale = np.exp(rng.normal(0, 0.7, n))  # uneven feature scales, as real activations have
+    X = (rng.normal(size=(tokens, n)) @ mix) * scale
+    W = rng.normal(0, 0.02, (rows, n)).astype(np.float32)
+    H = (X.T @ X).astype(np.float32)
+    imx = (X ** 2).mean(0).astype(np.float32)  # the imatrix is the diagonal's mean
+    return W, X, H, imx
+
+
+def _out_err(W, data, q, X):
+    Wq = ggml.lib().dequantize(data, q, W.shape)
+    D = (W.astype(np.float64) - Wq) @ X.T
+    return float((D ** 2).sum())
+
+
+@pytest.mark.parametrize("q", ["Q4_0", "Q5_1", "Q8_0", "IQ4_NL", "Q4_K", "Q3_K", "IQ3_S"])
+def test_compensation_lowers_the_layer_output_error(q):
+    W, X, H, imx = _problem()
+    plain = ggml.lib().quantize(W, q, imx)
+    comp = quantize_compensated(W, q, imx, Compensation(H, 0.01))
+    e0, e1 = _out_err(W, plain, q, X), _out_err(W, comp, q, X)
+    print(f"{q}: output error {e1 / e0:.3f} of plain")
+    assert e1 < 0.9 * e0, (q, e0, e1)
+
+
+def test_deterministic_whatever_the_thread_count():
+    W, _, H, imx = _problem(seed=1)
+    c = Compensation(H, 0.1)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        a = compensated_matrix(W, "Q5_0", imx, c)
+        torch.set_num_threads(max(2, threads))
+        b = compensated_matrix(W, "Q5_0", imx, Compensation(H.copy(), 0.1))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.get_num_threads() == threads
+    assert a.tobytes() == b.tobytes()
+    assert not np.array_equal(a, W)
+
+
+def test_float_types_and_dead_columns_are_left_alone():
+    W, _, H, imx = _problem(seed=2)
+    c = Compensation(H, 0.1)
+    assert compensated_matrix(W, "F16", imx, c).tobytes() == W.tobytes()
+    assert quantize_compensated(W, "F16", None, c) == ggml.lib().quantize(W, "F16")
+    H2 = H.copy()
+    H2[:, 40] = H2[40, :] = 0  # a feature never active on the calibration text
+    out = compensated_matrix(W, "Q4_0", imx, Compensation(H2, 0.1))
+    assert np.array_equal(out[:, 40], W[:, 40])
+    assert quantize_compensated(W, "Q4_0", imx, None) == ggml.lib().quantize(W, "Q4_0", imx)
+
+
+def test_bad_inputs_are_refused_before_any_call_into_c():
+    W, _, H, imx = _problem(seed=3)
+    with pytest.raises(QuantizationInputError, match="columns"):
+        compensated_matrix(W[:, :128], "Q4_0", imx[:128], Compensation(H, 0.1))
+    with pytest.raises(QuantizationInputError, match="square float32"):
+        Compensation(H.astype(np.float64))
+    with pytest.raises(QuantizationInputError, match="NaN"):
+        Compensation(np.full((4, 4), np.nan, np.float32))
+    with pytest.raises(QuantizationInputError, match="damping"):
+        Compensation(H, 0.0)
+
+
+def test_the_cache_keys_compensated_bytes_apart_and_plain_keys_are_unchanged():
+    import hashlib
+
+    W, _, H, imx = _problem(seed=4)
+    plain = CandidateCache.key(W, "Q4_K", imx, "v")
+    old = hashlib.sha256(json.dumps([FORMAT, plain.content, list(plain.shape), plain.qtype, plain.imatrix,
+                                     plain.lib_version]).encode()).hexdigest()
+    assert plain.compensation is None and plain.digest == old  # caches made before stay valid
+    a = CandidateCache.key(W, "Q4_K", imx, "v", compensation=Compensation(H, 0.1))
+    b = CandidateCache.key(W, "Q4_K", imx, "v", compensation=Compensation(H, 0.2))
+    assert len({plain.digest, a.digest, b.digest}) == 3
+    assert CandidateCache.key(W, "F16", None, "v", compensation=Compensation(H, 0.1)).compensation is None
+
+
+def test_cache_builds_the_compensated_bytes(tmp_path):
+    from voodoo_quant.precache import CandidateJob, build_all
+
+    W, _, H, imx = _problem(seed=5)
+    c = Compensation(H, 0.1)
+    cache = CandidateCache(tmp_path)
+    rep = build_all([CandidateJob("w", "Q5_0", matrix=W, imatrix=imx, compensation=c),
+                     CandidateJob("w", "Q8_0", matrix=W, imatrix=imx, compensation=c)], cache, workers=1,
+                    progress=False)
+    for q in ("Q5_0", "Q8_0"):
+        got = rep.paths[("w", q)].read_bytes()
+        assert got == quantize_compensated(W, q, imx, c)
+        assert got != ggml.lib().quantize(W, q, imx)
+
+
+def test_quant_inputs_are_the_vectors_plus_compensations():
+    c = Compensation(np.eye(4, dtype=np.float32))
+    qi = QuantInputs({"blk.0.attn_q.weight": np.ones(4, np.float32)}, {"model.x.weight": c})
+    assert set(qi) == {"blk.0.attn_q.weight"} and qi.get("nope") is None
+    assert compensation_of(qi, "model.x.weight") is c and compensation_of({"a": 1}, "model.x.weight") is None
+    assert bool(QuantInputs({}, {"x": c})) and not bool(QuantInputs({}, {}))
+
+
+def test_hessians_file_round_trip_and_refusals(tmp_path):
+    H = np.arange(16, dtype=np.float32).reshape(4, 4)
+    save_hessians(tmp_path / "h.pt", {"a": H}, "k1")
+    assert np.array_equal(load_hessians(tmp_path / "h.pt")["a"], H)
+    assert load_hessians(tmp_path / "h.pt", key="k2") is None
+    torch.save({"format": 1, "hessians": {"a": torch.zeros(2, 3)}}, tmp_path / "bad.pt")
+    with pytest.raises(CorruptFileError, match="square"):
+        load_hessians(tmp_path / "bad.pt")
+
+
+def test_collected_hessians_are_xtx_of_each_linear_input(tiny_llama_hf_dir):
+    from voodoo_quant.modeling import load_model
+    from voodoo_quant.training.config import TrainConfig
+    from voodoo_quant.training.hessians import collect
+    from voodoo_quant.training.setup import plan_run
+
+    model = load_model(str(tiny_llama_hf_dir), dtype=torch.float32).eval()
+    cfg = TrainConfig(model=str(tiny_llama_hf_dir), candidate_types=("Q8_0", "Q4_0"), compression_ratio=0.6)
+    _, plans, _ = plan_run(cfg, model)
+    tokens = torch.randint(0, model.config.vocab_size, (3, 16), generator=torch.Generator().manual_seed(0))
+    hs = collect(model, plans, tokens, batch_size=2)
+    seen = {}
+    mods = dict(model.named_modules())
+    hooks = [mods[p.modules[0]].register_forward_hook(
+        lambda m, i, o, n=p.name: seen.setdefault(n, []).append(i[0].reshape(-1, i[0].shape[-1])))
+        for p in plans if p.name in hs]
+    with torch.no_grad():
+        model(tokens)
+    for h in hooks:
+        h.remove()
+    assert any("q_proj" in n for n in hs) and any("down_proj" in n for n in hs)
+    assert not any("embed" in n for n in hs)  # an Embedding reads token ids, not features
+    by = {p.name: p for p in plans}
+    for n, H in hs.items():
+        x = torch.cat(seen[n]).double()
+        ref = (x.T @ x).numpy()
+        from voodoo_quant.training.hessians import gguf_columns
+
+        _, cols = gguf_columns(by[n].layout)
+        if cols is not None:
+            ref = ref[np.ix_(cols, cols)]
+        np.testing.assert_allclose(H, ref, rtol=2e-4, atol=1e-3 * np.abs(ref).max())
+    q = [n for n in hs if n.endswith("q_proj.weight")][0]
+    assert hs[q].tobytes() == hs[q.replace("q_proj", "v_proj")].tobytes()  # one shared input, one H
+
+
+@pytest.fixture(scope="module")
+def trained_gptq(imatrix_llama256_hf_dir, tmp_path_factory):
+    from voodoo_quant.imatrix import Entry, Imatrix
+    from voodoo_quant.layout import model_layouts
+    from voodoo_quant.training.config import TrainConfig
+    from voodoo_quant.training.trainer import Trainer
+
+    d = imatrix_llama256_hf_dir
+    root = tmp_path_factory.mktemp("gptq")
+    (root / "data").mkdir()
+    g = torch.Generator().manual_seed(7)
+    torch.save(torch.randint(0, 49152, (8, 40), generator=g), root / "data" / "train_tokens.pt")
+    rng = np.random.default_rng(1)
+    entries = {lay.gguf_name: Entry(sums=rng.uniform(0.1, 10, lay.n_per_row).astype(np.float32) * 37,
+                                    counts=np.array([37]))
+               for lay in model_layouts(d).values() if lay.quantizable}
+    Imatrix(entries=entries, datasets=["synthetic"], chunk_count=3, chunk_size=512).save_gguf(root / "imatrix.gguf")
+    cfg = TrainConfig(model=str(d), data_dir=str(root / "data"), imatrix=str(root / "imatrix.gguf"), seq_len=32,
+                      batch_size=2, max_steps=2, compression_ratio=0.55, candidate_types=("Q8_0", "Q4_K", "Q3_K"),
+                      output_dir=str(root / "run"), error_compensation="gptq", compensation_sequences=4,
+                      search_evals=4)
+    tr = Trainer(cfg)
+    res = tr.train()
+    return root, d, tr, res
+
+
+@pytest.mark.slow
+def test_gptq_run_exports_exactly_its_training_candidates(trained_gptq):
+    from voodoo_quant import converter
+    from voodoo_quant.assignment import Assignment
+    from voodoo_quant.compensate import compensations
+    from voodoo_quant.imatrix import load
+    from voodoo_quant.modeling import load_model
+    from voodoo_quant.student import selectable_weights
+    from voodoo_quant.tools.export import ExportConfig, export
+
+    root, d, tr, res = trained_gptq
+    asg = Assignment.load(root / "run" / "assignment.json")
+    rec = asg.compensation
+    assert rec and rec["method"] == "gptq" and rec["damp"] == 0.1 and rec["tensors"] > 0
+    out = export(ExportConfig(model=d, assignment=root / "run" / "assignment.json", output_dir=root / "out",
+                              output_name="tiny.gguf"))
+    r = converter.vendored_gguf().GGUFReader(out.path)
+    assert r.fields["voodoo.error_compensation"].contents() == "gptq"
+    ours = {t.name: np.asarray(t.data).view(np.uint8).tobytes() for t in r.tensors}
+    imx = load(root / "imatrix.gguf")
+    comps = compensations(load_hessians(rec["hessians"]), rec["damp"])
+    weights = {n: w for n, (w, _) in selectable_weights(load_model(str(d), dtype=torch.float32)).items()}
+    cache = CandidateCache()
+    plans = {p.name: p for p in tr.run.plans}
+    compensated = 0
+    for name, c in asg.tensors.items():
+        p = plans[name]
+        m = p.layout.to_gguf(weights[name])
+        vec = imx.get_vector(p.gguf_name, p.n_per_row)
+        cand = cache.get(CandidateCache.key(m, c.qtype, vec, compensation=comps.get(name)))
+        assert cand is not None, f"{name}: no cache entry for its compensated {c.qtype} candidate"
+        assert ours[c.gguf_name] == cand, f"{name}: exported bytes differ from the training candidate"
+        if name in comps:
+            compensated += 1
+            assert cand != ggml.lib().quantize(m, c.qtype, vec), f"{name}: compensation changed nothing"
+    assert compensated >= len(asg.tensors) - 1  # every Linear; the embedding reads no features
+
+
+def test_export_refuses_a_changed_or_missing_hessians_file(trained_gptq, tmp_path):
+    from voodoo_quant.assignment import Assignment
+    from voodoo_quant.provenance import ProvenanceMismatchError, resolve_compensation
+
+    root, d, tr, res = trained_gptq
+    asg = Assignment.load(root / "run" / "assignment.json")
+    copy = tmp_path / "hessians.pt"
+    shutil.copy(asg.compensation["hessians"], copy)
+    h = load_hessians(copy)
+    k = sorted(h)[0]
+    h[k] = h[k] * 2
+    save_hessians(copy, h, "x")
+    moved = Assignment.from_dict({**asg.to_dict(), "compensation": {**asg.compensation, "hessians": str(copy)}})
+    with pytest.raises(ProvenanceMismatchError, match="Hessians mismatch"):
+        resolve_compensation(moved, allow=False)
+    assert set(resolve_compensation(moved, allow=True)) == set(h)  # the override exports anyway
+    gone = Assignment.from_dict({**asg.to_dict(), "compensation": {**asg.compensation,
+                                                                  "hessians": str(tmp_path / "nope.pt")}})
+    with pytest.raises(ProvenanceMismatchError, match="Hessians missing"):
+        resolve_compensation(gone, allow=True)

@@ -1,0 +1,153 @@
+"""Layer-input Hessians for ``--error_compensation gptq`` (voodoo_quant/compensate.py).
+
+H = Σ xᵀx over the inputs x of every planned Linear, on the first ``--compensation_sequences``
+training sequences, from the float model before the gates replace its weights. Tensors that read
+the same input (q/k/v, gate/up) share one accumulator. Each H is stored in the GGUF tensor's
+column order, keyed by the HF tensor name, in ``<output_dir>/hessians.pt``; a later run (or size
+of a ladder) with the same inputs reuses it, and export reads it, checked by its sha256.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from .. import fileio
+from ..compensate import HESSIANS_FILE, compensations, load_hessians, save_hessians
+from ..compensate import Compensation  # noqa: F401  (re-exported for callers of ensure)
+from ..errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def gguf_columns(layout) -> tuple[bool, np.ndarray | None]:
+    """(whether the GGUF matrix's columns are the HF weight's input features, in which order: None
+    = the same). False for a transposed, reshaped or generally permuted tensor."""
+    inner = getattr(layout, "inner", None)
+    if inner is None:  # IdentityLayout
+        shape = tuple(getattr(layout, "shape", ()))
+        return len(shape) == 2, None
+    if inner.gather is not None or inner.transposed or len(inner.hf_shape) != 2:
+        return False, None
+    return True, None if inner.cols is None else np.asarray(inner.cols, dtype=np.int64)
+
+
+def compensable(plan, modules: dict[str, nn.Module]) -> bool:
+    """A plan whose one module is a Linear reading its input as the GGUF rows' columns."""
+    if len(plan.modules) != 1 or not isinstance(modules.get(plan.modules[0]), nn.Linear):
+        return False
+    ok, _ = gguf_columns(plan.layout)
+    return ok and modules[plan.modules[0]].in_features == plan.layout.n_per_row
+
+
+def collect(model: nn.Module, plans: Sequence, tokens: torch.Tensor, *, batch_size: int = 4,
+            progress: bool = False) -> dict[str, np.ndarray]:
+    """HF name → float32 Hessian of its input (GGUF column order) for every compensable plan."""
+    modules = dict(model.named_modules())
+    chosen = [p for p in plans if compensable(p, modules)]
+    if not chosen:
+        return {}
+    device = next(model.parameters()).device
+    owner = _shared_inputs(model, chosen, modules, tokens[:1, :8].to(device))
+    acc: dict[str, torch.Tensor] = {}
+    hooks = []
+
+    def hook_for(name: str):
+        def hook(mod, inp, out):
+            x2 = inp[0].detach().reshape(-1, inp[0].shape[-1]).to(torch.float32)
+            h = x2.T @ x2
+            acc[name] = h if name not in acc else acc[name].add_(h)
+        return hook
+
+    for p in chosen:
+        if owner[p.name] == p.name:
+            hooks.append(modules[p.modules[0]].register_forward_hook(hook_for(p.name)))
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            it = range(0, tokens.shape[0], batch_size)
+            if progress:
+                from rich.progress import track
+
+                it = track(it, description="Hessians", transient=True)
+            for i in it:
+                model(tokens[i:i + batch_size].to(device))
+    finally:
+        for h in hooks:
+            h.remove()
+        model.train(was_training)
+    out = {}
+    for p in chosen:
+        src = owner[p.name]
+        if src not in acc:
+            continue  # never reached on this text (e.g. an unused expert)
+        h = acc[src].cpu().numpy()
+        _, cols = gguf_columns(p.layout)
+        if cols is not None:
+            h = h[np.ix_(cols, cols)]
+        out[p.name] = np.ascontiguousarray(h, dtype=np.float32)
+    return out
+
+
+def _shared_inputs(model: nn.Module, chosen: Sequence, modules: dict[str, nn.Module], probe: torch.Tensor) -> dict[str, str]:
+    """plan → the first plan that reads the very same input tensor (q/k/v, gate/up share one):
+    found on a short probe forward that keeps every input alive, so no address is reused."""
+    inputs: dict[str, torch.Tensor] = {}
+    def keep(name: str):
+        def hook(mod, inp, out) -> None:  # returns None: a forward hook's value would replace the output
+            inputs.setdefault(name, inp[0])
+        return hook
+
+    hooks = [modules[p.modules[0]].register_forward_hook(keep(p.name)) for p in chosen]
+    try:
+        with torch.no_grad():
+            model(probe)
+    finally:
+        for h in hooks:
+            h.remove()
+    owner: dict[str, str] = {}
+    for p in chosen:
+        x = inputs.get(p.name)
+        owner[p.name] = next((q for q, y in ((q.name, inputs.get(q.name)) for q in chosen if q.name in owner
+                                             and owner[q.name] == q.name) if x is not None and y is x), p.name)
+    return owner
+
+
+def hessian_key(plans: Sequence, tokens: torch.Tensor, model: str, weights_sha256: str) -> str:
+    h = hashlib.sha256()
+    h.update(json.dumps(sorted(p.name for p in plans)).encode())
+    h.update(str(model).encode())
+    h.update(tokens.to(torch.int64).contiguous().numpy().tobytes())
+    h.update(weights_sha256.encode())
+    return h.hexdigest()[:16]
+
+
+def ensure(cfg, base: nn.Module, plans: Sequence, tokens: torch.Tensor, *, weights_sha256: str,
+           progress: bool = False) -> tuple[dict[str, Compensation], dict]:
+    """The run's compensations and their provenance record (for the assignment): Hessians reused
+    from ``<output_dir>/hessians.pt`` when made from the same inputs, else collected and saved."""
+    from .models import reader_of
+
+    if reader_of(base) is not None:
+        raise ConfigError("--error_compensation gptq reads the whole float model: not with --lazy or a "
+                          "tensor-parallel skeleton yet")
+    calib = tokens[: cfg.compensation_sequences]
+    key = hessian_key(plans, calib, cfg.model, weights_sha256)
+    path = cfg.out_dir / HESSIANS_FILE
+    hs = load_hessians(path, key=key) if path.exists() else None
+    if hs is None:
+        hs = collect(base, plans, calib, progress=progress)
+        cfg.out_dir.mkdir(parents=True, exist_ok=True)
+        save_hessians(path, hs, key)
+        log.info("Hessians of %d tensors from %d sequences -> %s", len(hs), calib.shape[0], path)
+    record = {"method": cfg.error_compensation, "damp": float(cfg.compensation_damp),
+              "hessians": str(path.resolve()), "sha256": fileio.sha256_file(path), "tensors": len(hs)}
+    return compensations(hs, cfg.compensation_damp), record
