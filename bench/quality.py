@@ -57,7 +57,9 @@ QUICK_STOCK = ("Q4_0", "IQ4_XS", "Q4_K_M")
 MENU = ("Q8_0", "Q6_K", "Q5_K", "Q5_0", "Q4_K", "IQ4_XS", "IQ4_NL", "Q3_K", "IQ3_S", "IQ2_S")
 # voodoo: the defaults (gates + guarantee + search); sensitivity: the one-shot knapsack on the Fisher
 # table (the default kind); sensitivity_output: the knapsack on the output-error table.
-METHODS = ("voodoo", "sensitivity", "sensitivity_output")
+METHODS = ("voodoo", "sensitivity", "sensitivity_output", "voodoo_gptq", "sensitivity_gptq")
+# *_gptq: the same with `--error_compensation gptq` (voodoo_quant/compensate.py)
+GPTQ_ARGS = ("--error_compensation", "gptq")
 # Uniform files (`llama-quantize --pure`): every tensor one type (fallback for 576-wide rows).
 PURE = ("Q4_0", "IQ4_NL", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 
@@ -118,7 +120,7 @@ class QualityConfig:
         only = dict(self.method_sizes).get(method)
         if only is not None and size not in only:
             return ()
-        if method != "voodoo":
+        if not method.startswith("voodoo"):
             return (0,)  # the knapsacks train nothing: no seed
         return self.seeds if size in self.seed_sizes else self.seeds[:1]
 
@@ -255,7 +257,8 @@ class QualityBench:
 
     def method_file(self, method: str, size: int, seed: int = 0) -> Path:
         tag = {"voodoo": f"Voodoo{size}.seed{seed}", "sensitivity": f"Sensitivity{size}",
-               "sensitivity_output": f"SensitivityOutput{size}"}[method]
+               "sensitivity_output": f"SensitivityOutput{size}", "voodoo_gptq": f"Voodoo{size}.gptq.seed{seed}",
+               "sensitivity_gptq": f"Sensitivity{size}.gptq"}[method]
         return self.gguf / f"{MODEL_NAME}.{tag}.gguf"
 
     def make_method(self, method: str, size: int, seed: int = 0) -> Path:
@@ -266,12 +269,14 @@ class QualityBench:
                     "--compression_ratio", f"{size / 100:.2f}", "--seq_len", self.cfg.seq_len,
                     "--max_steps", self.cfg.steps, "--candidate_types", ",".join(self.cfg.menu), "--seed", seed,
                     "--output_dir", run, "--output_name", f"{MODEL_NAME}-{method}{size}.pt"]
-            if method == "voodoo":
+            if method.startswith("voodoo"):
                 argv += list(self.cfg.train_args)
             else:
                 argv += ["--method", "sensitivity"]
                 if method == "sensitivity_output":
                     argv += ["--sensitivity_kind", "output"]
+            if method.endswith("_gptq"):
+                argv += list(GPTQ_ARGS)
             self._share_sensitivity_table(run, method, seed)
             self._run(argv, f"train-{step}")
         f = self.method_file(method, size, seed)
@@ -291,8 +296,11 @@ class QualityBench:
 
         if (run / TABLE_NAME).is_file():
             return
-        kind = "output" if method == "sensitivity_output" else "fisher"
-        same = [m for m in METHODS if ("output" if m == "sensitivity_output" else "fisher") == kind]
+        def kind_of(m: str) -> str:  # compensated candidates give another table
+            return ("output" if m == "sensitivity_output" else "fisher") + ("-gptq" if m.endswith("_gptq") else "")
+
+        kind = kind_of(method)
+        same = [m for m in METHODS if kind_of(m) == kind]
         tables = [t for m in same for t in (self.cfg.out / "runs").glob(f"{m}*/seed{seed}/{TABLE_NAME}")]
         if tables:
             run.mkdir(parents=True, exist_ok=True)

@@ -26,7 +26,9 @@ from typing import Any, Sequence
 TARGET_VS_STOCK = 0.5
 TARGET_VS_SENSITIVITY = 0.75
 TARGET_VS_UNIFORM = 1.0
-TRAINED = ("voodoo", "sensitivity", "sensitivity_output")
+TRAINED = ("voodoo", "sensitivity", "sensitivity_output", "voodoo_gptq", "sensitivity_gptq")
+# each gate-trained method against the knapsack of its own candidates (plain or compensated)
+VOODOO = (("voodoo", "sensitivity"), ("voodoo_gptq", "sensitivity_gptq"))
 
 def pareto(rows: Sequence[dict]) -> list[dict]:
     """The Pareto-optimal rows by (file size, mean KLD), ascending in size: a file stays when no
@@ -89,15 +91,25 @@ def targets(rows: Sequence[dict], floor_name: str) -> dict[str, Any]:
     floor = float(by_name[floor_name]["kld_mean"])
     front = pareto([r for r in rows if r["method"] == "stock"])
     uni = pareto([r for r in rows if r["method"] in ("uniform", "stock") and _is_uniform(r)])
-    knap = sorted(seed_means(rows, "sensitivity"), key=lambda r: r["size_bytes"])
     knap_out = sorted(seed_means(rows, "sensitivity_output"), key=lambda r: r["size_bytes"])
-    voodoo = seed_means(rows, "voodoo")
+    plain_knap = sorted(seed_means(rows, "sensitivity"), key=lambda r: r["size_bytes"])
+    out = []
+    for method, knap_method in VOODOO:
+        out += _targets_of(rows, method, knap_method, floor, front, uni, plain_knap, knap_out)
+    return {"floor_name": floor_name, "floor_kld": floor, "frontier": [r["name"] for r in front],
+            "uniform_frontier": [r["name"] for r in uni], "sizes": out,
+            "monotone": all(x["falls"] is not False for x in out)}
+
+
+def _targets_of(rows, method, knap_method, floor, front, uni, plain_knap, knap_out) -> list[dict]:
+    knap = sorted(seed_means(rows, knap_method), key=lambda r: r["size_bytes"])
     out = []
     prev = None
-    for v in voodoo:
+    for v in seed_means(rows, method):
         excess = v["kld_mean"] - floor
         row = {**v, "excess": excess}
-        for tag, curve in (("stock", front), ("sensitivity", knap), ("sensitivity_output", knap_out), ("uniform", uni)):
+        for tag, curve in (("stock", front), ("sensitivity", knap), ("sensitivity_output", knap_out), ("uniform", uni),
+                           ("plain_knapsack", plain_knap)):
             k = frontier_kld(curve, v["size_bytes"])
             row[f"{tag}_kld"] = k
             row[f"{tag}_excess"] = None if k is None else k - floor
@@ -108,7 +120,7 @@ def targets(rows: Sequence[dict], floor_name: str) -> dict[str, Any]:
         row["meets_uniform_target"] = None if row["ratio_vs_uniform"] is None else row["ratio_vs_uniform"] <= TARGET_VS_UNIFORM
         row["above_stock_frontier"] = row["stock_kld"] is not None and v["kld_mean"] > row["stock_kld"]
         row["falls"] = None if prev is None else v["kld_mean"] < prev["kld_mean"]
-        row["paired_vs_sensitivity"] = paired_difference(rows, v, "sensitivity")
+        row["paired_vs_sensitivity"] = paired_difference(rows, v, knap_method)
         notes = []
         if row["stock_kld"] is None and front:
             smallest = front[0]
@@ -121,12 +133,12 @@ def targets(rows: Sequence[dict], floor_name: str) -> dict[str, Any]:
             notes.append("ABOVE the stock frontier")
         if row["falls"] is False:
             notes.append(f"NOT below Voodoo{prev['size_percent']}")
+        if knap_method != "sensitivity" and row["ratio_vs_plain_knapsack"] is not None:
+            notes.append(f"{row['ratio_vs_plain_knapsack']:.3f}× the plain Fisher knapsack's excess")
         row["note"] = "; ".join(notes)
         out.append(row)
         prev = v
-    return {"floor_name": floor_name, "floor_kld": floor, "frontier": [r["name"] for r in front],
-            "uniform_frontier": [r["name"] for r in uni], "sizes": out,
-            "monotone": all(x["falls"] is not False for x in out)}
+    return out
 
 
 def paired_difference(rows: Sequence[dict], v: dict, method: str) -> tuple[float, float] | None:
@@ -209,13 +221,14 @@ def markdown(result: dict[str, Any]) -> str:
     ]
     for x in t["sizes"]:
         spread = f" ({x['kld_min']:.5f}–{x['kld_max']:.5f}, n={x['n_seeds']})" if x["n_seeds"] > 1 else ""
+        label = f"Voodoo{x['size_percent']}" + (" gptq" if x["method"].endswith("_gptq") else "")
         lines.append(
-            f"| Voodoo{x['size_percent']} | {x['size_bytes'] / 1e6:.2f} | {x['kld_mean']:.6f}{spread} | "
+            f"| {label} | {x['size_bytes'] / 1e6:.2f} | {x['kld_mean']:.6f}{spread} | "
             f"{_f(x['kld_stderr'], '.6f')} | {x['excess']:.6f} | {_f(x['ratio_vs_stock'], '.3f')} | "
             f"{_yes(x['meets_stock_target'])} | {_f(x['ratio_vs_sensitivity'], '.3f')} | {_yes(x['meets_sensitivity_target'])} | "
             f"{_paired(x.get('paired_vs_sensitivity'))} | {_f(x['ratio_vs_sensitivity_output'], '.3f')} | {_f(x['ratio_vs_uniform'], '.3f')} | "
             f"{_yes(x['meets_uniform_target'])} | {x['note']} |")
-    g = [r for r in rows if r["method"] == "voodoo" and r.get("guarantee")]
+    g = [r for r in rows if r["method"] in ("voodoo", "voodoo_gptq") and r.get("guarantee")]
     if g:
         lines += ["", "## What the guarantee and the search did (held-aside calibration KL, not the eval text)", "",
                   "| file | start (winner) | winner KL | gates' bake KL | best reference | search evals | moves kept | final KL |",
@@ -260,7 +273,9 @@ def plot(result: dict[str, Any], out: Path) -> Path:
     ax.plot([r["size_bytes"] / 1e6 for r in front], [r["kld_mean"] for r in front], color="0.3", lw=1, ls="--",
             label="stock Pareto frontier")
     for method, color, label in (("voodoo", "tab:red", "Voodoo (seed mean)"), ("sensitivity", "tab:blue", "knapsack (Fisher)"),
-                                 ("sensitivity_output", "tab:purple", "knapsack (output error)")):
+                                 ("sensitivity_output", "tab:purple", "knapsack (output error)"),
+                                 ("voodoo_gptq", "tab:orange", "Voodoo, --error_compensation gptq"),
+                                 ("sensitivity_gptq", "tab:cyan", "knapsack (Fisher), gptq")):
         pts = sorted(seed_means(rows, method), key=lambda r: r["size_bytes"])
         if not pts:
             continue
