@@ -136,8 +136,11 @@ def test_quant_inputs_are_the_vectors_plus_compensations():
 
 def test_hessians_file_round_trip_and_refusals(tmp_path):
     H = np.arange(16, dtype=np.float32).reshape(4, 4)
-    save_hessians(tmp_path / "h.pt", {"a": H}, "k1")
-    assert np.array_equal(load_hessians(tmp_path / "h.pt")["a"], H)
+    save_hessians(tmp_path / "h.pt", {"a": H, "b": H, "c": H + 1}, "k1")
+    got = load_hessians(tmp_path / "h.pt")
+    assert np.array_equal(got["a"], H) and got["b"] is got["a"] and np.array_equal(got["c"], H + 1)
+    d = torch.load(tmp_path / "h.pt", weights_only=True)
+    assert set(d["hessians"]) == {"a", "c"} and d["shared"] == {"b": "a"}  # a shared input is stored once
     assert load_hessians(tmp_path / "h.pt", key="k2") is None
     torch.save({"format": 1, "hessians": {"a": torch.zeros(2, 3)}}, tmp_path / "bad.pt")
     with pytest.raises(CorruptFileError, match="square"):
@@ -177,7 +180,7 @@ def test_collected_hessians_are_xtx_of_each_linear_input(tiny_llama_hf_dir):
             ref = ref[np.ix_(cols, cols)]
         np.testing.assert_allclose(H, ref, rtol=2e-4, atol=1e-3 * np.abs(ref).max())
     q = [n for n in hs if n.endswith("q_proj.weight")][0]
-    assert hs[q].tobytes() == hs[q.replace("q_proj", "v_proj")].tobytes()  # one shared input, one H
+    assert hs[q] is hs[q.replace("q_proj", "v_proj")]  # one shared input, one H
 
 
 @pytest.fixture(scope="module")

@@ -48,7 +48,6 @@ class Compensation:
     hessian: np.ndarray
     damp: float = DEFAULT_DAMP
     _digest: list = field(default_factory=list, repr=False, compare=False)
-    _factor: list = field(default_factory=list, repr=False, compare=False)  # (U, dead), computed once
 
     def __post_init__(self) -> None:
         h = self.hessian
@@ -63,19 +62,11 @@ class Compensation:
     def n(self) -> int:
         return int(self.hessian.shape[0])
 
-    def __getstate__(self):  # a pool worker gets the Hessian, not this process's factor
-        return {"hessian": self.hessian, "damp": self.damp, "_digest": list(self._digest), "_factor": []}
-
-    def __setstate__(self, state):
-        for k, v in state.items():
-            object.__setattr__(self, k, v)
-
     def factor(self):
         """(U, dead): the upper Cholesky factor of the damped inverse Hessian (None when no
-        column is live) and the mask of dead columns; shared by every type of the tensor."""
-        if not self._factor:
-            self._factor.append(_cholesky_factor(self.hessian, float(self.damp)))
-        return self._factor[0]
+        column is live) and the mask of dead columns. Computed per call, not kept: n² float64
+        per tensor would outgrow the candidates themselves on a large model."""
+        return _cholesky_factor(self.hessian, float(self.damp))
 
     @property
     def digest(self) -> str:
@@ -216,8 +207,16 @@ def save_hessians(path, hessians: Mapping[str, np.ndarray], key: str):
 
     from . import fileio
 
-    return fileio.torch_save(path, {"format": HESSIANS_FORMAT, "key": key,
-                                    "hessians": {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in hessians.items()}})
+    stored: dict[str, torch.Tensor] = {}
+    shared: dict[str, str] = {}  # tensors reading one input (q/k/v, gate/up) hold one array: stored once
+    first: dict[int, str] = {}
+    for k, v in hessians.items():
+        if id(v) in first:
+            shared[k] = first[id(v)]
+        else:
+            first[id(v)] = k
+            stored[k] = torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32))
+    return fileio.torch_save(path, {"format": HESSIANS_FORMAT, "key": key, "hessians": stored, "shared": shared})
 
 
 def load_hessians(path, *, key: str | None = None) -> dict[str, np.ndarray] | None:
@@ -237,8 +236,12 @@ def load_hessians(path, *, key: str | None = None) -> dict[str, np.ndarray] | No
         if not isinstance(v, torch.Tensor) or v.dim() != 2 or v.shape[0] != v.shape[1] or v.dtype != torch.float32:
             raise CorruptFileError(f"{path}: entry {k} is not a square float32 matrix")
         out[str(k)] = v.numpy()
+    for k, owner in (d.get("shared") or {}).items():
+        if owner not in out:
+            raise CorruptFileError(f"{path}: {k} shares the Hessian of {owner}, which it does not hold")
+        out[str(k)] = out[owner]
     return out
 
 
 def compensations(hessians: Mapping[str, np.ndarray], damp: float) -> dict[str, Compensation]:
-    return {k: Compensation(v, float(damp)) for k, v in hessians.items()}
+    return {k: Compensation(v, float(damp)) for k, v in hessians.items()}  # shared arrays stay shared

@@ -322,6 +322,10 @@ class Ladder:
         from .precache import PrecacheConfig, precache
 
         c = self.cfg
+        if c.train_extra.get("error_compensation", "none") != "none":
+            # compensated candidates need the Hessians the first size collects: it builds them
+            log.info("candidate cache: built by the first size (--error_compensation needs its Hessians)")
+            return
         menus: MenuConfig = c.menus
         marker = self.work / "candidates.json"
         inputs = {"teacher": self.keys["make-teacher"], "imatrix": self.keys["imatrix"],
@@ -337,6 +341,7 @@ class Ladder:
         self.step("candidate-cache", inputs, lambda: [marker], body)
 
     def train(self, size: int) -> None:
+        from ..compensate import HESSIANS_FILE
         from ..training.sensitivity import TABLE_NAME
 
         run = self.work / "runs" / f"Voodoo{size}"
@@ -352,8 +357,9 @@ class Ladder:
                 (run / f).unlink(missing_ok=True)
 
         def body() -> None:
-            if shared.is_file() and not (run / TABLE_NAME).is_file():
-                fileio.write_bytes(run / TABLE_NAME, shared.read_bytes())  # the trainer checks its key
+            for name in (TABLE_NAME, HESSIANS_FILE):  # made once for the ladder; the trainer checks each key
+                if (self.work / name).is_file() and not (run / name).is_file():
+                    fileio.write_bytes(run / name, (self.work / name).read_bytes())
             _, cache = run_training(tcfg, self.ui.advance,
                                     self._teacher_cache_dir() if self.cfg.share_teacher_forward else None)
             if cache is not None:
@@ -361,6 +367,8 @@ class Ladder:
                                                      f"{cache.hits + cache.misses} batches")
             if (run / TABLE_NAME).is_file():  # also when this size extended its curvature to more rungs
                 fileio.write_bytes(shared, (run / TABLE_NAME).read_bytes())
+            if (run / HESSIANS_FILE).is_file() and not (self.work / HESSIANS_FILE).is_file():
+                fileio.write_bytes(self.work / HESSIANS_FILE, (run / HESSIANS_FILE).read_bytes())
 
         self.step(f"train-Voodoo{size}", inputs, lambda: [run / "assignment.json", run / "tensor-types.txt"], body,
                   total=tcfg.max_steps, on_stale=stale)

@@ -84,16 +84,15 @@ def collect(model: nn.Module, plans: Sequence, tokens: torch.Tensor, *, batch_si
         for h in hooks:
             h.remove()
         model.train(was_training)
+    arrays = {k: np.ascontiguousarray(v.cpu().numpy(), dtype=np.float32) for k, v in acc.items()}
     out = {}
     for p in chosen:
         src = owner[p.name]
-        if src not in acc:
+        if src not in arrays:
             continue  # never reached on this text (e.g. an unused expert)
-        h = acc[src].cpu().numpy()
         _, cols = gguf_columns(p.layout)
-        if cols is not None:
-            h = h[np.ix_(cols, cols)]
-        out[p.name] = np.ascontiguousarray(h, dtype=np.float32)
+        # one array per shared input (the Hessians file stores it once); a column permutation its own
+        out[p.name] = arrays[src] if cols is None else np.ascontiguousarray(arrays[src][np.ix_(cols, cols)])
     return out
 
 
