@@ -177,3 +177,20 @@ def test_reference_recipe_plans_from_a_config_alone():
     (post,) = [ln for ln in out.splitlines() if "post-bake measurements" in ln]
     assert " 0.00 GB" in post and "a served weight in use 0.64" in post and "probe (one sequence)" in post, post
     assert "torch.distributed.run" not in out  # nothing launched
+
+
+def test_the_hessians_of_error_compensation_are_planned_on_the_host(gate_model_dir, tmp_path):
+    import torch
+
+    from voodoo_quant.modeling import load_model
+
+    base = ["--model", str(gate_model_dir / "model"), "--data_dir", str(tmp_path), "--candidate_types", "Q8_0", "Q4_0",
+            "--compression_ratio", "0.6", "--seq_len", "64"]
+    plain, comp = _mem(base), _mem(base + ["--error_compensation", "gptq"])
+    assert not any(t.name.startswith("Hessians") for t in plain.host)
+    held = next(t.bytes for t in comp.host if t.name.startswith("Hessians"))
+    lin = [m for n, m in load_model(str(gate_model_dir / "model")).named_modules() if isinstance(m, torch.nn.Linear)
+           and "lm_head" not in n]
+    n = [m.in_features for m in lin]
+    assert held == sum(k * k * 4 for k in n) + 3 * max(n) ** 2 * 8  # every Linear's n² float32, one float64 factor set
+    assert comp.host_total == pytest.approx(plain.host_total + held)

@@ -141,3 +141,20 @@ def sensitivity_term(cfg, model: nn.Module, plans: Sequence, full: int, world: i
                     f"the whole float32 model {full * 4 / GB:.2f} GB + {what} {stats / GB:.2f} GB; "
                     f"--sensitivity_kind fisher streams it; {skip}")
     return Term(f"sensitivity pass: {what}", stats, skip)
+
+
+def compensation_term(cfg, model: nn.Module, plans: Sequence) -> Term | None:
+    """``--error_compensation``: the Hessians (training/hessians.py) are held from their collection
+    through the candidate build, n² float32 per Linear input; counted once per tensor (an upper
+    bound: q/k/v and gate/up read one input and hold one), plus one tensor's float64 factors."""
+    if getattr(cfg, "error_compensation", "none") == "none":
+        return None
+    from .training.hessians import compensable
+
+    modules = dict(model.named_modules())
+    dims = [p.layout.n_per_row for p in plans if compensable(p, modules)]
+    if not dims:
+        return None
+    held = sum(n * n * 4 for n in dims)
+    return Term("Hessians (--error_compensation)", held + 3 * max(dims) ** 2 * 8,
+                f"{len(dims)} tensors' n² float32 (at most: shared inputs hold one) + one tensor's float64 factors")
