@@ -233,3 +233,28 @@ def test_default_model_name():
     assert default_model_name(Path("x/SmolLM2-135M-Instruct.Q4_1.gguf")) == "SmolLM2-135M-Instruct"
     assert default_model_name(Path("x/Foo-Q4_K_M.gguf")) == "Foo"
     assert default_model_name(Path("x/Bar.gguf")) == "Bar"
+
+
+@pytest.mark.slow
+def test_ladder_with_error_compensation_collects_the_hessians_once(tiny_llama_hf_dir, ladder_text_dir, tmp_path,
+                                                                   caplog):
+    import logging
+
+    from voodoo_quant import converter
+    from voodoo_quant.assignment import Assignment
+
+    out = tmp_path / "ladder"
+    caplog.set_level(logging.INFO, logger="voodoo_quant.training.hessians")
+    res = quantize(_cfg(tiny_llama_hf_dir, ladder_text_dir, out, stock=(), train_extra={
+        "error_compensation": "gptq", "compensation_sequences": 2}), progress=False)
+    assert sorted(res.files) == [60, 75]
+    collected = [r for r in caplog.records if r.getMessage().startswith("Hessians of ")]
+    assert len(collected) == 1, [r.getMessage() for r in collected]  # the first size; the second reused them
+    shared = (out / "work" / "hessians.pt").read_bytes()
+    for size in (60, 75):
+        run = out / "work" / "runs" / f"Voodoo{size}"
+        assert (run / "hessians.pt").read_bytes() == shared  # the second size read the first one's
+        rec = Assignment.load(run / "assignment.json").compensation
+        assert rec["method"] == "gptq" and rec["hessians"] == str((run / "hessians.pt").resolve())
+        kv = converter.vendored_gguf().GGUFReader(res.files[size]).fields
+        assert kv["voodoo.error_compensation"].contents() == "gptq"
