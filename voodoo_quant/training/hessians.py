@@ -100,6 +100,7 @@ def _shared_inputs(model: nn.Module, chosen: Sequence, modules: dict[str, nn.Mod
     """plan → the first plan that reads the very same input tensor (q/k/v, gate/up share one):
     found on a short probe forward that keeps every input alive, so no address is reused."""
     inputs: dict[str, torch.Tensor] = {}
+
     def keep(name: str):
         def hook(mod, inp, out) -> None:  # returns None: a forward hook's value would replace the output
             inputs.setdefault(name, inp[0])
@@ -113,10 +114,14 @@ def _shared_inputs(model: nn.Module, chosen: Sequence, modules: dict[str, nn.Mod
         for h in hooks:
             h.remove()
     owner: dict[str, str] = {}
+    leaders: list[tuple[str, torch.Tensor | None]] = []
     for p in chosen:
         x = inputs.get(p.name)
-        owner[p.name] = next((q for q, y in ((q.name, inputs.get(q.name)) for q in chosen if q.name in owner
-                                             and owner[q.name] == q.name) if x is not None and y is x), p.name)
+        lead = next((n for n, y in leaders if x is not None and y is x), None)
+        if lead is None:
+            leaders.append((p.name, x))
+            lead = p.name
+        owner[p.name] = lead
     return owner
 
 
