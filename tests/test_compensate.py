@@ -267,3 +267,22 @@ def test_export_refuses_a_changed_or_missing_hessians_file(trained_gptq, tmp_pat
                                                                   "hessians": str(tmp_path / "nope.pt")}})
     with pytest.raises(ProvenanceMismatchError, match="Hessians missing"):
         resolve_compensation(gone, allow=True)
+
+
+def test_a_finalize_records_the_compensation_its_candidates_had(gate_model_dir, tmp_path):
+    """Redoing only the bake reads no candidate when nothing needs the sensitivity table; the
+    assignment must still record the compensation, or export would write plain bytes."""
+    from voodoo_quant.training.config import TrainConfig
+    from voodoo_quant.training.trainer import Trainer
+
+    d = gate_model_dir
+    kw = dict(model=str(d / "model"), data_dir=str(d / "data"), seq_len=32, batch_size=2, max_steps=2,
+              compression_ratio=0.6, candidate_types=("Q8_0", "Q4_K"), error_compensation="gptq",
+              compensation_sequences=2, warm_start=False, polish=False, guarantee=False, search_evals=0,
+              partial_save_interval=1)
+    res = Trainer(TrainConfig(**kw, output_dir=str(tmp_path / "a"))).train()
+    assert res.assignment.compensation["method"] == "gptq"
+    fin = Trainer(TrainConfig(**kw, output_dir=str(tmp_path / "a"),
+                              finalize_from_partial=str(tmp_path / "a" / "partial.pt"))).train()
+    assert fin.assignment.compensation == res.assignment.compensation
+    assert fin.assignment.to_dict()["tensors"] == res.assignment.to_dict()["tensors"]

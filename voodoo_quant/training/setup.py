@@ -14,9 +14,9 @@ import torch.nn as nn
 
 from .. import envs, fileio
 from ..arch import adapter_for
-from ..compensate import compensation_of
 from ..arch.base import ArchAdapter
 from ..budget import Budget, make_budget
+from ..compensate import compensation_of
 from ..errors import ConfigError, CorruptFileError
 from ..layers import MixBuffers, MixedQuant
 from ..student import (
