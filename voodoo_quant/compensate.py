@@ -78,13 +78,6 @@ class Compensation:
             self._digest.append(h.hexdigest())
         return self._digest[0]
 
-    def reordered(self, cols: np.ndarray | None) -> "Compensation":
-        """The same compensation for a matrix whose columns are `cols` of the Hessian's order."""
-        if cols is None:
-            return self
-        c = np.asarray(cols, dtype=np.int64)
-        return Compensation(np.ascontiguousarray(self.hessian[np.ix_(c, c)]), self.damp)
-
 
 def applies(qtype: str | qt.QType) -> bool:
     """Float types are written as they are; every quantized type is compensated."""
