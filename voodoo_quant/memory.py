@@ -314,7 +314,6 @@ def plan_memory(cfg, model: nn.Module, plans: Sequence, *, adapter=None, tp_plan
     if refs_term:  # made while the loaded weights are still there (training/references.py)
         mp.host.append(refs_term)
     from .memory_phases import compensation_term, sensitivity_term
-
     mp.host += [t for t in (compensation_term(cfg, model, plans),) if t is not None]
     if cfg.needs_sensitivity:
         mp.host.append(sensitivity_term(cfg, model, plans, full, world, hidden, n_layers, skeleton))
