@@ -94,6 +94,32 @@ def imatrix_llama256_hf_dir(tmp_path_factory, smollm2_tok_dir):
 
 
 @pytest.fixture(scope="session")
+def synthetic_run_inputs():
+    """A function (model_dir, root) -> imatrix entries: writes ``root/data/train_tokens.pt`` (8
+    random sequences of 40 SmolLM2 tokens) and ``root/imatrix.gguf`` (a random vector for every
+    quantizable tensor), the inputs of the end-to-end trainer tests."""
+
+    def make(model_dir, root):
+        import numpy as np
+        import torch
+
+        from voodoo_quant.imatrix import Entry, Imatrix
+        from voodoo_quant.layout import model_layouts
+
+        (root / "data").mkdir(parents=True, exist_ok=True)
+        g = torch.Generator().manual_seed(7)
+        torch.save(torch.randint(0, 49152, (8, 40), generator=g), root / "data" / "train_tokens.pt")
+        rng = np.random.default_rng(1)
+        entries = {lay.gguf_name: Entry(sums=rng.uniform(0.1, 10, lay.n_per_row).astype(np.float32) * 37,
+                                        counts=np.array([37]))
+                   for lay in model_layouts(model_dir).values() if lay.quantizable}
+        Imatrix(entries=entries, datasets=["synthetic"], chunk_count=3, chunk_size=512).save_gguf(root / "imatrix.gguf")
+        return entries
+
+    return make
+
+
+@pytest.fixture(scope="session")
 def imatrix_llama256_gguf(tmp_path_factory, imatrix_llama256_hf_dir):
     """That model converted to an F32 GGUF by llama.cpp's own convert_hf_to_gguf.py."""
     from voodoo_quant.converter import convert

@@ -184,22 +184,13 @@ def test_collected_hessians_are_xtx_of_each_linear_input(tiny_llama_hf_dir):
 
 
 @pytest.fixture(scope="module")
-def trained_gptq(imatrix_llama256_hf_dir, tmp_path_factory):
-    from voodoo_quant.imatrix import Entry, Imatrix
-    from voodoo_quant.layout import model_layouts
+def trained_gptq(imatrix_llama256_hf_dir, synthetic_run_inputs, tmp_path_factory):
     from voodoo_quant.training.config import TrainConfig
     from voodoo_quant.training.trainer import Trainer
 
     d = imatrix_llama256_hf_dir
     root = tmp_path_factory.mktemp("gptq")
-    (root / "data").mkdir()
-    g = torch.Generator().manual_seed(7)
-    torch.save(torch.randint(0, 49152, (8, 40), generator=g), root / "data" / "train_tokens.pt")
-    rng = np.random.default_rng(1)
-    entries = {lay.gguf_name: Entry(sums=rng.uniform(0.1, 10, lay.n_per_row).astype(np.float32) * 37,
-                                    counts=np.array([37]))
-               for lay in model_layouts(d).values() if lay.quantizable}
-    Imatrix(entries=entries, datasets=["synthetic"], chunk_count=3, chunk_size=512).save_gguf(root / "imatrix.gguf")
+    synthetic_run_inputs(d, root)
     cfg = TrainConfig(model=str(d), data_dir=str(root / "data"), imatrix=str(root / "imatrix.gguf"), seq_len=32,
                       batch_size=2, max_steps=2, compression_ratio=0.55, candidate_types=("Q8_0", "Q4_K", "Q3_K"),
                       output_dir=str(root / "run"), error_compensation="gptq", compensation_sequences=4,

@@ -26,25 +26,17 @@ from voodoo_quant.assignment import Assignment
 from voodoo_quant.cli.app import app
 
 MENU = ("Q8_0", "Q6_K", "Q4_K", "Q3_K", "Q2_K")  # K-quants: their bytes depend on the imatrix
-VOCAB = 49152
 
 
 @pytest.fixture(scope="module")
-def trained(imatrix_llama256_hf_dir, tmp_path_factory):
+def trained(imatrix_llama256_hf_dir, synthetic_run_inputs, tmp_path_factory):
     from voodoo_quant.imatrix import Entry, Imatrix
-    from voodoo_quant.layout import model_layouts
     from voodoo_quant.training.config import TrainConfig
     from voodoo_quant.training.trainer import Trainer
 
     d = imatrix_llama256_hf_dir
     root = tmp_path_factory.mktemp("contract")
-    (root / "data").mkdir()
-    g = torch.Generator().manual_seed(7)
-    torch.save(torch.randint(0, VOCAB, (8, 40), generator=g), root / "data" / "train_tokens.pt")
-    rng = np.random.default_rng(1)
-    entries = {lay.gguf_name: Entry(sums=rng.uniform(0.1, 10, lay.n_per_row).astype(np.float32) * 37, counts=np.array([37]))
-               for lay in model_layouts(d).values() if lay.quantizable}
-    Imatrix(entries=entries, datasets=["synthetic"], chunk_count=3, chunk_size=512).save_gguf(root / "imatrix.gguf")
+    entries = synthetic_run_inputs(d, root)
     other = dict(entries)
     name0 = sorted(other)[0]
     other[name0] = Entry(sums=other[name0].sums * 2.0, counts=np.array([37]))
