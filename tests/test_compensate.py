@@ -147,10 +147,27 @@ def test_hessians_file_round_trip_and_refusals(tmp_path):
         load_hessians(tmp_path / "bad.pt")
 
 
+def test_a_plans_hessian_is_read_at_its_one_linear():
+    from types import SimpleNamespace
+
+    from voodoo_quant.training.hessians import reader
+
+    mods = {"emb": torch.nn.Embedding(10, 4), "head": torch.nn.Linear(4, 10), "o": torch.nn.Linear(4, 4),
+            "norm": torch.nn.LayerNorm(4)}
+
+    def r(*names):
+        return reader(SimpleNamespace(modules=list(names)), mods)
+
+    assert r("emb", "head") == "head"  # a tied embedding: the LM head's input
+    assert r("head") == "head" and r("o") == "o"
+    assert r("emb") is None  # an untied embedding reads token ids, not features
+    assert r("head", "o") is None and r("norm") is None and r("o", "norm") is None
+
+
 def test_collected_hessians_are_xtx_of_each_linear_input(tiny_llama_hf_dir):
     from voodoo_quant.modeling import load_model
     from voodoo_quant.training.config import TrainConfig
-    from voodoo_quant.training.hessians import collect
+    from voodoo_quant.training.hessians import collect, reader
     from voodoo_quant.training.setup import plan_run
 
     model = load_model(str(tiny_llama_hf_dir), dtype=torch.float32).eval()
@@ -160,7 +177,7 @@ def test_collected_hessians_are_xtx_of_each_linear_input(tiny_llama_hf_dir):
     hs = collect(model, plans, tokens, batch_size=2)
     seen = {}
     mods = dict(model.named_modules())
-    hooks = [mods[p.modules[0]].register_forward_hook(
+    hooks = [mods[reader(p, mods)].register_forward_hook(
         lambda m, i, o, n=p.name: seen.setdefault(n, []).append(i[0].reshape(-1, i[0].shape[-1])))
         for p in plans if p.name in hs]
     with torch.no_grad():
@@ -168,7 +185,9 @@ def test_collected_hessians_are_xtx_of_each_linear_input(tiny_llama_hf_dir):
     for h in hooks:
         h.remove()
     assert any("q_proj" in n for n in hs) and any("down_proj" in n for n in hs)
-    assert not any("embed" in n for n in hs)  # an Embedding reads token ids, not features
+    embd = [p for p in plans if "embed" in p.name]
+    assert len(embd) == 1 and "lm_head" in embd[0].modules  # the fixture's embedding is tied
+    assert embd[0].name in hs  # compensated as the head: H of the final hidden states
     by = {p.name: p for p in plans}
     for n, H in hs.items():
         x = torch.cat(seen[n]).double()
@@ -235,7 +254,7 @@ def test_gptq_run_exports_exactly_its_training_candidates(trained_gptq):
         if name in comps:
             compensated += 1
             assert cand != ggml.lib().quantize(m, c.qtype, vec), f"{name}: compensation changed nothing"
-    assert compensated >= len(asg.tensors) - 1  # every Linear; the embedding reads no features
+    assert compensated == len(asg.tensors)  # every Linear, and the tied embedding as the LM head
 
 
 def test_export_refuses_a_changed_or_missing_hessians_file(trained_gptq, tmp_path):

@@ -2,7 +2,9 @@
 
 H = Σ xᵀx over the inputs x of every planned Linear, on the first ``--compensation_sequences``
 training sequences, from the float model before the gates replace its weights. Tensors that read
-the same input (q/k/v, gate/up) share one accumulator. Each H is stored in the GGUF tensor's
+the same input (q/k/v, gate/up) share one accumulator. A tied embedding is compensated as the LM
+head it also is: its H is the head's input (the final hidden states), where its rounding error
+reaches every logit; the lookup's share of the error is left unweighted. Each H is stored in the GGUF tensor's
 column order, keyed by the HF tensor name, in ``<output_dir>/hessians.pt``; a later run (or size
 of a ladder) with the same inputs reuses it, and export reads it, checked by its sha256.
 """
@@ -39,12 +41,21 @@ def gguf_columns(layout) -> tuple[bool, np.ndarray | None]:
     return True, None if inner.cols is None else np.asarray(inner.cols, dtype=np.int64)
 
 
+def reader(plan, modules: dict[str, nn.Module]) -> str | None:
+    """The module whose input the plan's Hessian is taken from: its one Linear, the other modules
+    (if any) being lookups of the same rows (a tied embedding's Embedding beside its LM head)."""
+    linear = [m for m in plan.modules if isinstance(modules.get(m), nn.Linear)]
+    lookups = [m for m in plan.modules if isinstance(modules.get(m), nn.Embedding)]
+    return linear[0] if len(linear) == 1 and len(linear) + len(lookups) == len(plan.modules) else None
+
+
 def compensable(plan, modules: dict[str, nn.Module]) -> bool:
-    """A plan whose one module is a Linear reading its input as the GGUF rows' columns."""
-    if len(plan.modules) != 1 or not isinstance(modules.get(plan.modules[0]), nn.Linear):
+    """A plan read by one Linear (see :func:`reader`) whose input features are the GGUF rows' columns."""
+    name = reader(plan, modules)
+    if name is None:
         return False
     ok, _ = gguf_columns(plan.layout)
-    return ok and modules[plan.modules[0]].in_features == plan.layout.n_per_row
+    return ok and modules[name].in_features == plan.layout.n_per_row
 
 
 def collect(model: nn.Module, plans: Sequence, tokens: torch.Tensor, *, batch_size: int = 4,
@@ -68,7 +79,7 @@ def collect(model: nn.Module, plans: Sequence, tokens: torch.Tensor, *, batch_si
 
     for p in chosen:
         if owner[p.name] == p.name:
-            hooks.append(modules[p.modules[0]].register_forward_hook(hook_for(p.name)))
+            hooks.append(modules[reader(p, modules)].register_forward_hook(hook_for(p.name)))
     was_training = model.training
     model.eval()
     try:
@@ -106,7 +117,7 @@ def _shared_inputs(model: nn.Module, chosen: Sequence, modules: dict[str, nn.Mod
             inputs.setdefault(name, inp[0])
         return hook
 
-    hooks = [modules[p.modules[0]].register_forward_hook(keep(p.name)) for p in chosen]
+    hooks = [modules[reader(p, modules)].register_forward_hook(keep(p.name)) for p in chosen]
     try:
         with torch.no_grad():
             model(probe)
@@ -125,8 +136,13 @@ def _shared_inputs(model: nn.Module, chosen: Sequence, modules: dict[str, nn.Mod
     return owner
 
 
+# what `collect` measures; a file from an older collection (before the tied embedding was read at
+# the LM head) is collected again rather than reused without it
+COLLECTION = "inputs/2"
+
+
 def hessian_key(plans: Sequence, tokens: torch.Tensor, model: str, weights_sha256: str) -> str:
-    h = hashlib.sha256()
+    h = hashlib.sha256(COLLECTION.encode())
     h.update(json.dumps(sorted(p.name for p in plans)).encode())
     h.update(str(model).encode())
     h.update(tokens.to(torch.int64).contiguous().numpy().tobytes())
