@@ -23,10 +23,9 @@ import torch
 from voodoo_quant import ggml
 from voodoo_quant import qtypes as qt
 from voodoo_quant.cache import FORMAT, CacheKey, CandidateCache
-from voodoo_quant.compensate import (
-    Compensation, QuantInputs, compensated_matrix, compensation_of, load_hessians, quantize_compensated, save_hessians,
-)
+from voodoo_quant.compensate import Compensation, QuantInputs, compensated_matrix, compensation_of, quantize_compensated
 from voodoo_quant.errors import CorruptFileError, QuantizationInputError
+from voodoo_quant.hessian_store import load_hessians, read_key, write_hessians
 
 
 def _problem(rows=64, n=512, tokens=4096, seed=0):
@@ -135,16 +134,31 @@ def test_quant_inputs_are_the_vectors_plus_compensations():
 
 
 def test_hessians_file_round_trip_and_refusals(tmp_path):
+    from safetensors.numpy import load_file
+
     H = np.arange(16, dtype=np.float32).reshape(4, 4)
-    save_hessians(tmp_path / "h.pt", {"a": H, "b": H, "c": H + 1}, "k1")
-    got = load_hessians(tmp_path / "h.pt")
+    p = tmp_path / "h.safetensors"
+    write_hessians(p, {"a": 4, "c": 4}, {"b": "a"}, "k1", iter([("a", H), ("c", H + 1)]))
+    got = load_hessians(p)
+    assert isinstance(got["a"], np.memmap) and not got["a"].flags.writeable  # mapped, never held
     assert np.array_equal(got["a"], H) and got["b"] is got["a"] and np.array_equal(got["c"], H + 1)
-    d = torch.load(tmp_path / "h.pt", weights_only=True)
-    assert set(d["hessians"]) == {"a", "c"} and d["shared"] == {"b": "a"}  # a shared input is stored once
-    assert load_hessians(tmp_path / "h.pt", key="k2") is None
-    torch.save({"format": 1, "hessians": {"a": torch.zeros(2, 3)}}, tmp_path / "bad.pt")
-    with pytest.raises(CorruptFileError, match="square"):
-        load_hessians(tmp_path / "bad.pt")
+    assert set(load_file(str(p))) == {"a", "c"}  # a plain safetensors file; a shared input stored once
+    assert read_key(p) == "k1" and load_hessians(p, key="k2") is None
+    with pytest.raises(QuantizationInputError, match="declared"):  # out of the declared order
+        write_hessians(tmp_path / "x.safetensors", {"a": 4, "c": 4}, {}, "k", iter([("c", H), ("a", H)]))
+    with pytest.raises(QuantizationInputError, match="never written"):
+        write_hessians(tmp_path / "x.safetensors", {"a": 4, "c": 4}, {}, "k", iter([("a", H)]))
+    with pytest.raises(QuantizationInputError, match="shared"):
+        write_hessians(tmp_path / "x.safetensors", {"a": 4}, {"b": "z"}, "k", iter([("a", H)]))
+    assert not (tmp_path / "x.safetensors").exists()  # a failed write leaves nothing behind
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(p.read_bytes()[:-8])
+    with pytest.raises(CorruptFileError, match="inside the file"):
+        load_hessians(cut)
+    (tmp_path / "bad.safetensors").write_bytes(b"\xff" * 64)
+    with pytest.raises(CorruptFileError):
+        load_hessians(tmp_path / "bad.safetensors")
+    assert read_key(tmp_path / "bad.safetensors") is None
 
 
 def test_a_plans_hessian_is_read_at_its_one_linear():
@@ -167,7 +181,7 @@ def test_a_plans_hessian_is_read_at_its_one_linear():
 def test_collected_hessians_are_xtx_of_each_linear_input(tiny_llama_hf_dir):
     from voodoo_quant.modeling import load_model
     from voodoo_quant.training.config import TrainConfig
-    from voodoo_quant.training.hessians import collect, reader
+    from voodoo_quant.training.hessians import collect, collect_passes, reader
     from voodoo_quant.training.setup import plan_run
 
     model = load_model(str(tiny_llama_hf_dir), dtype=torch.float32).eval()
@@ -200,6 +214,12 @@ def test_collected_hessians_are_xtx_of_each_linear_input(tiny_llama_hf_dir):
         np.testing.assert_allclose(H, ref, rtol=2e-4, atol=1e-3 * np.abs(ref).max())
     q = [n for n in hs if n.endswith("q_proj.weight")][0]
     assert hs[q] is hs[q.replace("q_proj", "v_proj")]  # one shared input, one H
+    # in passes of at most one input's accumulator: the same matrices, one forward per stored input
+    c = collect_passes(model, plans, tokens, batch_size=2, pass_bytes=1)
+    arrays = dict(c.arrays)
+    assert c.passes == len(c.sizes) > 1 and set(arrays) == set(c.sizes) and set(c.sizes) | set(c.shared) == set(hs)
+    for n, H in hs.items():
+        np.testing.assert_array_equal(arrays[c.shared.get(n, n)], H)
 
 
 @pytest.fixture(scope="module")
@@ -263,18 +283,17 @@ def test_export_refuses_a_changed_or_missing_hessians_file(trained_gptq, tmp_pat
 
     root, d, tr, res = trained_gptq
     asg = Assignment.load(root / "run" / "assignment.json")
-    copy = tmp_path / "hessians.pt"
-    shutil.copy(asg.compensation["hessians"], copy)
-    h = load_hessians(copy)
+    copy = tmp_path / "hessians.safetensors"
+    h = load_hessians(asg.compensation["hessians"])
     k = sorted(h)[0]
-    h[k] = h[k] * 2
-    save_hessians(copy, h, "x")
+    write_hessians(copy, {n: v.shape[0] for n, v in h.items()}, {}, "x",
+                   ((n, v * 2 if n == k else v) for n, v in h.items()))
     moved = Assignment.from_dict({**asg.to_dict(), "compensation": {**asg.compensation, "hessians": str(copy)}})
     with pytest.raises(ProvenanceMismatchError, match="Hessians mismatch"):
         resolve_compensation(moved, allow=False)
     assert set(resolve_compensation(moved, allow=True)) == set(h)  # the override exports anyway
     gone = Assignment.from_dict({**asg.to_dict(), "compensation": {**asg.compensation,
-                                                                  "hessians": str(tmp_path / "nope.pt")}})
+                                                                  "hessians": str(tmp_path / "nope.safetensors")}})
     with pytest.raises(ProvenanceMismatchError, match="Hessians missing"):
         resolve_compensation(gone, allow=True)
 

@@ -250,11 +250,11 @@ def test_ladder_with_error_compensation_collects_the_hessians_once(tiny_llama_hf
     assert sorted(res.files) == [60, 75]
     collected = [r for r in caplog.records if r.getMessage().startswith("Hessians of ")]
     assert len(collected) == 1, [r.getMessage() for r in collected]  # the first size; the second reused them
-    shared = (out / "work" / "hessians.pt").read_bytes()
+    shared = (out / "work" / "hessians.safetensors").read_bytes()
     for size in (60, 75):
         run = out / "work" / "runs" / f"Voodoo{size}"
-        assert (run / "hessians.pt").read_bytes() == shared  # the second size read the first one's
+        assert (run / "hessians.safetensors").read_bytes() == shared  # the second size read the first one's
         rec = Assignment.load(run / "assignment.json").compensation
-        assert rec["method"] == "gptq" and rec["hessians"] == str((run / "hessians.pt").resolve())
+        assert rec["method"] == "gptq" and rec["hessians"] == str((run / "hessians.safetensors").resolve())
         kv = converter.vendored_gguf().GGUFReader(res.files[size]).fields
         assert kv["voodoo.error_compensation"].contents() == "gptq"

@@ -36,8 +36,6 @@ from .errors import QuantizationInputError
 ALGORITHM = "gptq-blocks/1"
 DEFAULT_DAMP = 0.1
 STEP = 32  # columns fixed per step: a block, or a 256-superblock's sub-block (its scale's span)
-HESSIANS_FILE = "hessians.pt"
-HESSIANS_FORMAT = 1
 
 
 @dataclass(frozen=True)
@@ -189,51 +187,6 @@ def compensation_of(inputs, name: str) -> Compensation | None:
     vector mapping)."""
     comp = getattr(inputs, "compensation", None)
     return comp.get(name) if comp else None
-
-
-# -- the Hessians file (written by training/hessians.py, read by export) -------------------------
-
-def save_hessians(path, hessians: Mapping[str, np.ndarray], key: str):
-    """HF tensor name → float32 Hessian in the GGUF tensor's column order, with the key of the
-    inputs it was collected from; written atomically."""
-    import torch
-
-    from . import fileio
-
-    stored: dict[str, torch.Tensor] = {}
-    shared: dict[str, str] = {}  # tensors reading one input (q/k/v, gate/up) hold one array: stored once
-    first: dict[int, str] = {}
-    for k, v in hessians.items():
-        if id(v) in first:
-            shared[k] = first[id(v)]
-        else:
-            first[id(v)] = k
-            stored[k] = torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32))
-    return fileio.torch_save(path, {"format": HESSIANS_FORMAT, "key": key, "hessians": stored, "shared": shared})
-
-
-def load_hessians(path, *, key: str | None = None) -> dict[str, np.ndarray] | None:
-    """The stored Hessians; None when `key` is given and they were collected from other inputs."""
-    import torch
-
-    from . import fileio
-    from .errors import CorruptFileError
-
-    d = fileio.torch_load(path, what="Hessians file")
-    if not isinstance(d, dict) or d.get("format") != HESSIANS_FORMAT or not isinstance(d.get("hessians"), dict):
-        raise CorruptFileError(f"{path} is not a voodoo Hessians file (format {HESSIANS_FORMAT})")
-    if key is not None and d.get("key") != key:
-        return None
-    out = {}
-    for k, v in d["hessians"].items():
-        if not isinstance(v, torch.Tensor) or v.dim() != 2 or v.shape[0] != v.shape[1] or v.dtype != torch.float32:
-            raise CorruptFileError(f"{path}: entry {k} is not a square float32 matrix")
-        out[str(k)] = v.numpy()
-    for k, owner in (d.get("shared") or {}).items():
-        if owner not in out:
-            raise CorruptFileError(f"{path}: {k} shares the Hessian of {owner}, which it does not hold")
-        out[str(k)] = out[owner]
-    return out
 
 
 def compensations(hessians: Mapping[str, np.ndarray], damp: float) -> dict[str, Compensation]:

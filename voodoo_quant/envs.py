@@ -34,6 +34,8 @@ VARIABLES: tuple[EnvVar, ...] = (
            "at a barrier; torch's own default is 10 for NCCL, 30 for gloo)", "240"),
     EnvVar("VOODOO_MIX_KERNEL", "1: eager CPU candidates are kept as int8 codes and mixed by a native kernel "
            "built with the system C compiler (voodoo_quant/mixkernel.py); 0: float32 stacks", "1"),
+    EnvVar("VOODOO_HESSIAN_PASS_GB", "GB of Hessian accumulators one collection pass of --error_compensation "
+           "holds (on the model's device); a larger model takes more passes over the calibration text", "4"),
     EnvVar("VOODOO_TINY_RECIPE", "1 shrinks every run (steps, sequences) for fast tests", "0"),
     EnvVar("VOODOO_FAULT_AT", "tests only: SIGKILL the process at a named point, e.g. step:3, bake, "
            "write:partial.pt:2, export:tensor:5 (the n-th hit, default 1); never set it otherwise"),
@@ -85,6 +87,17 @@ def cache_dir(env: Mapping[str, str] | None = None) -> Path:
 
 def quant_workers(env: Mapping[str, str] | None = None) -> int:
     return _positive_int("VOODOO_QUANT_WORKERS", env, lambda: max(1, os.cpu_count() or 1))
+
+
+def hessian_pass_bytes(env: Mapping[str, str] | None = None) -> int:
+    raw = _get("VOODOO_HESSIAN_PASS_GB", env)
+    try:
+        gb = 4.0 if raw is None else float(raw)
+    except ValueError:
+        gb = -1.0
+    if not gb > 0:
+        raise EnvironmentVarError(f"VOODOO_HESSIAN_PASS_GB must be a number of GB > 0, got {raw!r}")
+    return int(gb * (1 << 30))
 
 
 def finalize_workers(env: Mapping[str, str] | None = None) -> int:

@@ -130,6 +130,11 @@ def write_with(target: str | os.PathLike, writer: Callable[[Path], None], *, ove
     return Path(target)
 
 
+def copy_file(source: str | os.PathLike, target: str | os.PathLike, *, overwrite: bool = True) -> Path:
+    """Copy `source` to `target` atomically, streamed (never whole in memory)."""
+    return write_with(target, lambda tmp: shutil.copyfile(source, tmp), overwrite=overwrite)
+
+
 def torch_save(target: str | os.PathLike, obj: Any, *, overwrite: bool = True) -> Path:
     import torch
 

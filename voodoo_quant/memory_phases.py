@@ -144,17 +144,19 @@ def sensitivity_term(cfg, model: nn.Module, plans: Sequence, full: int, world: i
 
 
 def compensation_term(cfg, model: nn.Module, plans: Sequence) -> Term | None:
-    """``--error_compensation``: the Hessians (training/hessians.py) are held from their collection
-    through the candidate build, n² float32 per Linear input; counted once per tensor (an upper
-    bound: q/k/v and gate/up read one input and hold one), plus one tensor's float64 factors."""
+    """``--error_compensation``: one collection pass's Hessian accumulators (training/hessians.py,
+    at most ``VOODOO_HESSIAN_PASS_GB``, or the largest single input when that is more), plus one
+    tensor's float64 factors while its candidates are built; the stored Hessians are mapped from
+    their file, not held."""
     if getattr(cfg, "error_compensation", "none") == "none":
         return None
+    from . import envs
     from .training.hessians import compensable
 
     modules = dict(model.named_modules())
     dims = [p.layout.n_per_row for p in plans if compensable(p, modules)]
     if not dims:
         return None
-    held = sum(n * n * 4 for n in dims)
+    held = min(sum(n * n * 4 for n in dims), max(envs.hessian_pass_bytes(), max(dims) ** 2 * 4))
     return Term("Hessians (--error_compensation)", held + 3 * max(dims) ** 2 * 8,
-                f"{len(dims)} tensors' n² float32 (at most: shared inputs hold one) + one tensor's float64 factors")
+                "one collection pass's n² float32 accumulators (VOODOO_HESSIAN_PASS_GB) + one tensor's float64 factors")

@@ -184,7 +184,8 @@ def resolve_compensation(asg, *, allow: bool) -> dict:
     quantized with (``--error_compensation``), from the Hessians file the assignment records,
     checked by its sha256; {} when training used none. A missing file is refused even with the
     override: without it the trained bytes cannot be written."""
-    from .compensate import compensations, load_hessians
+    from .compensate import compensations
+    from .hessian_store import load_hessians
 
     rec = asg.compensation
     if not rec:

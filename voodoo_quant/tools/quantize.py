@@ -341,7 +341,7 @@ class Ladder:
         self.step("candidate-cache", inputs, lambda: [marker], body)
 
     def train(self, size: int) -> None:
-        from ..compensate import HESSIANS_FILE
+        from ..hessian_store import FILE as HESSIANS_FILE
         from ..training.sensitivity import TABLE_NAME
 
         run = self.work / "runs" / f"Voodoo{size}"
@@ -359,7 +359,7 @@ class Ladder:
         def body() -> None:
             for name in (TABLE_NAME, HESSIANS_FILE):  # made once for the ladder; the trainer checks each key
                 if (self.work / name).is_file() and not (run / name).is_file():
-                    fileio.write_bytes(run / name, (self.work / name).read_bytes())
+                    fileio.copy_file(self.work / name, run / name)
             _, cache = run_training(tcfg, self.ui.advance,
                                     self._teacher_cache_dir() if self.cfg.share_teacher_forward else None)
             if cache is not None:
@@ -368,7 +368,7 @@ class Ladder:
             if (run / TABLE_NAME).is_file():  # also when this size extended its curvature to more rungs
                 fileio.write_bytes(shared, (run / TABLE_NAME).read_bytes())
             if (run / HESSIANS_FILE).is_file() and not (self.work / HESSIANS_FILE).is_file():
-                fileio.write_bytes(self.work / HESSIANS_FILE, (run / HESSIANS_FILE).read_bytes())
+                fileio.copy_file(run / HESSIANS_FILE, self.work / HESSIANS_FILE)
 
         self.step(f"train-Voodoo{size}", inputs, lambda: [run / "assignment.json", run / "tensor-types.txt"], body,
                   total=tcfg.max_steps, on_stale=stale)

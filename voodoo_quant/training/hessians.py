@@ -4,9 +4,11 @@ H = Σ xᵀx over the inputs x of every planned Linear, on the first ``--compens
 training sequences, from the float model before the gates replace its weights. Tensors that read
 the same input (q/k/v, gate/up) share one accumulator. A tied embedding is compensated as the LM
 head it also is: its H is the head's input (the final hidden states), where its rounding error
-reaches every logit; the lookup's share of the error is left unweighted. Each H is stored in the GGUF tensor's
-column order, keyed by the HF tensor name, in ``<output_dir>/hessians.pt``; a later run (or size
-of a ladder) with the same inputs reuses it, and export reads it, checked by its sha256.
+reaches every logit; the lookup's share of the error is left unweighted. Each H is stored in the
+GGUF tensor's column order, keyed by the HF tensor name, in ``<output_dir>/hessians.safetensors``
+(voodoo_quant/hessian_store.py), written pass by pass so that only one pass's accumulators are in
+memory; a later run (or size of a ladder) with the same inputs reuses it, and export maps it,
+checked by its sha256.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ import torch
 import torch.nn as nn
 
 from .. import fileio
-from ..compensate import HESSIANS_FILE, compensations, load_hessians, save_hessians
-from ..compensate import Compensation  # noqa: F401  (re-exported for callers of ensure)
+from ..compensate import Compensation, compensations
+from ..hessian_store import FILE as HESSIANS_FILE
+from ..hessian_store import load_hessians, read_key, write_hessians
 from ..errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -58,17 +61,97 @@ def compensable(plan, modules: dict[str, nn.Module]) -> bool:
     return ok and modules[name].in_features == plan.layout.n_per_row
 
 
-def collect(model: nn.Module, plans: Sequence, tokens: torch.Tensor, *, batch_size: int = 4,
-            progress: bool = False) -> dict[str, np.ndarray]:
-    """HF name → float32 Hessian of its input (GGUF column order) for every compensable plan."""
+class Collection:
+    """What :func:`collect_passes` will write: ``sizes`` (stored name → n, in the order the
+    arrays come), ``shared`` (tensor → the stored name holding the Hessian it reads), ``passes``
+    (how many forwards over the calibration text) and ``arrays`` (the iterator of (name, H))."""
+
+    def __init__(self, sizes: dict[str, int], shared: dict[str, str], passes: int, arrays):
+        self.sizes, self.shared, self.passes, self.arrays = sizes, shared, passes, arrays
+
+
+def collect_passes(model: nn.Module, plans: Sequence, tokens: torch.Tensor, *, batch_size: int = 4,
+                   pass_bytes: int | None = None, progress: bool = False) -> Collection:
+    """The Hessian of every compensable plan's input, in GGUF column order, in as many passes
+    over `tokens` as it takes for each pass's accumulators (on the model's device) to hold at most
+    `pass_bytes` (``VOODOO_HESSIAN_PASS_GB``; one input larger than that gets a pass of its own).
+    The arrays are produced lazily, one pass at a time."""
+    from .. import envs
+
     modules = dict(model.named_modules())
     chosen = [p for p in plans if compensable(p, modules)]
     if not chosen:
-        return {}
+        return Collection({}, {}, 0, iter(()))
+    budget = envs.hessian_pass_bytes() if pass_bytes is None else int(pass_bytes)
     device = next(model.parameters()).device
     owner = _shared_inputs(model, chosen, modules, tokens[:1, :8].to(device))
+    sources = list(dict.fromkeys(owner[p.name] for p in chosen))
+    width = {p.name: modules[reader(p, modules)].in_features for p in chosen}
+    groups: list[list[str]] = []
+    held = 0
+    for src in sources:
+        nbytes = 4 * width[src] ** 2
+        if not groups or held + nbytes > budget:
+            groups.append([])
+            held = 0
+        groups[-1].append(src)
+        held += nbytes
+    # one stored array per input in its own order; a tensor reading it in a permuted order its own
+    sizes: dict[str, int] = {}
+    shared: dict[str, str] = {}
+    stored_for: dict[str, str] = {}
+    members: dict[str, list] = {src: [] for src in sources}
+    for p in chosen:
+        members[owner[p.name]].append(p)
+    order: list[tuple[str, str, np.ndarray | None]] = []  # (stored name, source, columns), pass by pass
+    for group in groups:
+        for src in group:
+            for p in members[src]:
+                _, cols = gguf_columns(p.layout)
+                if cols is None and src in stored_for:
+                    shared[p.name] = stored_for[src]
+                    continue
+                if cols is None:
+                    stored_for[src] = p.name
+                sizes[p.name] = width[src]
+                order.append((p.name, src, cols))
+
+    by_name = {p.name: p for p in chosen}
+
+    def arrays():
+        it = iter(order)
+        pending = next(it, None)
+        for gi, group in enumerate(groups):
+            acc = _accumulate(model, {src: modules[reader(by_name[src], modules)] for src in group}, tokens,
+                              batch_size, device, f"Hessians {gi + 1}/{len(groups)}" if progress else None)
+            while pending is not None and pending[1] in group:
+                name, src, cols = pending
+                if src in acc:
+                    h = acc[src].cpu().numpy()
+                else:  # never reached on this text (an unused expert): no column live, the plain bytes
+                    h = np.zeros((width[src], width[src]), dtype=np.float32)
+                yield name, np.ascontiguousarray(h if cols is None else h[np.ix_(cols, cols)], dtype=np.float32)
+                pending = next(it, None)
+            del acc
+
+    return Collection(sizes, shared, len(groups), arrays())
+
+
+def collect(model: nn.Module, plans: Sequence, tokens: torch.Tensor, *, batch_size: int = 4,
+            pass_bytes: int | None = None, progress: bool = False) -> dict[str, np.ndarray]:
+    """HF name → float32 Hessian of its input (GGUF column order) for every compensable plan, all
+    in memory (:func:`collect_passes` streams them)."""
+    c = collect_passes(model, plans, tokens, batch_size=batch_size, pass_bytes=pass_bytes, progress=progress)
+    out = dict(c.arrays)
+    for name, src in c.shared.items():
+        out[name] = out[src]
+    return out
+
+
+def _accumulate(model: nn.Module, readers: dict[str, nn.Module], tokens: torch.Tensor, batch_size: int,
+                device: torch.device, label: str | None) -> dict[str, torch.Tensor]:
+    """Σ xᵀx (float32, on `device`) of each reader's input over `tokens`."""
     acc: dict[str, torch.Tensor] = {}
-    hooks = []
 
     def hook_for(name: str):
         def hook(mod, inp, out):
@@ -77,34 +160,23 @@ def collect(model: nn.Module, plans: Sequence, tokens: torch.Tensor, *, batch_si
             acc[name] = h if name not in acc else acc[name].add_(h)
         return hook
 
-    for p in chosen:
-        if owner[p.name] == p.name:
-            hooks.append(modules[reader(p, modules)].register_forward_hook(hook_for(p.name)))
+    hooks = [m.register_forward_hook(hook_for(src)) for src, m in readers.items()]
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
             it = range(0, tokens.shape[0], batch_size)
-            if progress:
+            if label:
                 from rich.progress import track
 
-                it = track(it, description="Hessians", transient=True)
+                it = track(it, description=label, transient=True)
             for i in it:
                 model(tokens[i:i + batch_size].to(device))
     finally:
         for h in hooks:
             h.remove()
         model.train(was_training)
-    arrays = {k: np.ascontiguousarray(v.cpu().numpy(), dtype=np.float32) for k, v in acc.items()}
-    out = {}
-    for p in chosen:
-        src = owner[p.name]
-        if src not in arrays:
-            continue  # never reached on this text (e.g. an unused expert)
-        _, cols = gguf_columns(p.layout)
-        # one array per shared input (the Hessians file stores it once); a column permutation its own
-        out[p.name] = arrays[src] if cols is None else np.ascontiguousarray(arrays[src][np.ix_(cols, cols)])
-    return out
+    return acc
 
 
 def _shared_inputs(model: nn.Module, chosen: Sequence, modules: dict[str, nn.Module], probe: torch.Tensor) -> dict[str, str]:
@@ -153,7 +225,8 @@ def hessian_key(plans: Sequence, tokens: torch.Tensor, model: str, weights_sha25
 def ensure(cfg, base: nn.Module, plans: Sequence, tokens: torch.Tensor, *, weights_sha256: str,
            progress: bool = False) -> tuple[dict[str, Compensation], dict]:
     """The run's compensations and their provenance record (for the assignment): Hessians reused
-    from ``<output_dir>/hessians.pt`` when made from the same inputs, else collected and saved."""
+    from ``<output_dir>/hessians.safetensors`` when made from the same inputs, else collected and
+    written; the Compensations hold mapped views of the file."""
     from .models import reader_of
 
     if reader_of(base) is not None:
@@ -162,12 +235,13 @@ def ensure(cfg, base: nn.Module, plans: Sequence, tokens: torch.Tensor, *, weigh
     calib = tokens[: cfg.compensation_sequences]
     key = hessian_key(plans, calib, cfg.model, weights_sha256)
     path = cfg.out_dir / HESSIANS_FILE
-    hs = load_hessians(path, key=key) if path.exists() else None
-    if hs is None:
-        hs = collect(base, plans, calib, progress=progress)
+    if not (path.is_file() and read_key(path) == key):
+        c = collect_passes(base, plans, calib, progress=progress)
         cfg.out_dir.mkdir(parents=True, exist_ok=True)
-        save_hessians(path, hs, key)
-        log.info("Hessians of %d tensors from %d sequences -> %s", len(hs), calib.shape[0], path)
+        write_hessians(path, c.sizes, c.shared, key, c.arrays)
+        log.info("Hessians of %d tensors (%d stored) from %d sequences in %d pass(es) -> %s",
+                 len(c.sizes) + len(c.shared), len(c.sizes), calib.shape[0], c.passes, path)
+    hs = load_hessians(path, key=key)
     record = {"method": cfg.error_compensation, "damp": float(cfg.compensation_damp),
               "hessians": str(path.resolve()), "sha256": fileio.sha256_file(path), "tensors": len(hs)}
     return compensations(hs, cfg.compensation_damp), record
