@@ -14,7 +14,7 @@ W' instead of W, so that each block's rounding error is absorbed by the later co
 from __future__ import annotations
 
 import json
-import shutil
+import os
 
 import numpy as np
 import pytest
@@ -240,7 +240,7 @@ def trained_gptq(imatrix_llama256_hf_dir, synthetic_run_inputs, tmp_path_factory
 
 
 @pytest.mark.slow
-def test_gptq_run_exports_exactly_its_training_candidates(trained_gptq):
+def test_gptq_run_exports_exactly_its_training_candidates(trained_gptq, tmp_path, monkeypatch):
     from voodoo_quant import converter
     from voodoo_quant.assignment import Assignment
     from voodoo_quant.compensate import compensations
@@ -255,13 +255,34 @@ def test_gptq_run_exports_exactly_its_training_candidates(trained_gptq):
     assert rec and rec["method"] == "gptq" and rec["damp"] == 0.1 and rec["tensors"] > 0
     out = export(ExportConfig(model=d, assignment=root / "run" / "assignment.json", output_dir=root / "out",
                               output_name="tiny.gguf"))
+    cache, cache_dir = CandidateCache(), os.environ.get("VOODOO_CACHE_DIR")
+    # on a machine without the candidates (an empty cache) export computes W' again: the same file
+    monkeypatch.setenv("VOODOO_CACHE_DIR", str(tmp_path / "empty-cache"))
+    again = export(ExportConfig(model=d, assignment=root / "run" / "assignment.json", output_dir=tmp_path / "out",
+                                output_name="tiny.gguf"))
+    assert not (tmp_path / "empty-cache").exists() or not any((tmp_path / "empty-cache").rglob("data.bin"))
+    assert again.path.read_bytes() == out.path.read_bytes()
+    # where the candidates are cached (the training machine), export reads them and computes nothing
+    from voodoo_quant import compensate
+
+    def boom(*a, **k):
+        raise AssertionError("export recomputed a cached compensated candidate")
+
+    if cache_dir is None:
+        monkeypatch.delenv("VOODOO_CACHE_DIR")
+    else:
+        monkeypatch.setenv("VOODOO_CACHE_DIR", cache_dir)
+    monkeypatch.setattr(compensate, "compensated_matrix", boom)
+    cached = export(ExportConfig(model=d, assignment=root / "run" / "assignment.json", output_dir=tmp_path / "cached",
+                                 output_name="tiny.gguf"))
+    assert cached.path.read_bytes() == out.path.read_bytes()
+    monkeypatch.undo()
     r = converter.vendored_gguf().GGUFReader(out.path)
     assert r.fields["voodoo.error_compensation"].contents() == "gptq"
     ours = {t.name: np.asarray(t.data).view(np.uint8).tobytes() for t in r.tensors}
     imx = load(root / "imatrix.gguf")
     comps = compensations(load_hessians(rec["hessians"]), rec["damp"])
     weights = {n: w for n, (w, _) in selectable_weights(load_model(str(d), dtype=torch.float32)).items()}
-    cache = CandidateCache()
     plans = {p.name: p for p in tr.run.plans}
     compensated = 0
     for name, c in asg.tensors.items():

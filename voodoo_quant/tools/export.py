@@ -31,7 +31,8 @@ from .. import converter, faults, fileio, ggml, provenance
 from .. import qtypes as qt
 from ..assignment import Assignment
 from ..budget import BASE_TYPE, base_type_for
-from ..compensate import quantize_compensated
+from ..cache import CandidateCache
+from ..compensate import applies, quantize_compensated
 from ..errors import ConfigError, CorruptFileError, QuantizationInputError
 from ..layout import checkpoint_tensors, find_layout, ggml_n_dims, llama_quantize_allows, model_layouts
 
@@ -245,6 +246,7 @@ def export(cfg: ExportConfig) -> ExportResult:
         model_dir = cfg.model if cfg.base_checkpoint is None else _hf_dir_with_weights(cfg.model, cfg.base_checkpoint, tmp)
         selected, gguf_names = _selected(asg, cfg.model)
         comp_of = {gguf_names[n]: c for n, c in comps.items() if n in gguf_names}
+        cands = CandidateCache()
         f32_path = converter.convert(model_dir, tmp / "model-f32.gguf", outtype="f32")
         reader = gguf.GGUFReader(f32_path)
         present = {t.name for t in reader.tensors}
@@ -344,7 +346,13 @@ def export(cfg: ExportConfig) -> ExportResult:
                 # Q8_0 and F16 (the base type and its fallback) take no imatrix (quantize_q8_0 ignores it)
                 vec = None if imat is None or t.name in fixed or qt.get(q).is_float else imat.get_vector(t.name, shape[-1])
                 comp = None if t.name in fixed else comp_of.get(t.name)  # the candidates' compensation
-                data = quantize_compensated(w2, q, vec, comp, lib=lib, name=t.name, workers=cfg.workers)
+                # a compensated candidate is read from the candidate cache when this machine built it
+                # (keyed by matrix, type, imatrix, library and Hessian, checked by its sha256), else
+                # computed again: the same bits either way
+                data = cands.get(CandidateCache.key(w2, q, vec, compensation=comp)) \
+                    if comp is not None and applies(q) else None
+                if data is None:
+                    data = quantize_compensated(w2, q, vec, comp, lib=lib, name=t.name, workers=cfg.workers)
                 w.write_tensor_data(np.frombuffer(data, dtype=np.uint8))
             w.close()
 
