@@ -336,3 +336,18 @@ def test_a_finalize_records_the_compensation_its_candidates_had(gate_model_dir, 
                               finalize_from_partial=str(tmp_path / "a" / "partial.pt"))).train()
     assert fin.assignment.compensation == res.assignment.compensation
     assert fin.assignment.to_dict()["tensors"] == res.assignment.to_dict()["tensors"]
+
+
+def test_auto_compensation_is_gptq_where_the_float_model_is_read_whole():
+    from voodoo_quant.errors import ConfigError
+    from voodoo_quant.training.config import TrainConfig
+
+    assert TrainConfig(model="m", compression_ratio=0.6).error_compensation == "auto"
+    assert TrainConfig(model="m", compression_ratio=0.6).compensation == "gptq"
+    assert TrainConfig(model="m", compression_ratio=0.6, lazy=True).compensation == "none"  # layer by layer: no whole-model forward
+    assert TrainConfig(model="m", compression_ratio=0.6, tensor_parallel=2).compensation == "none"
+    assert TrainConfig(model="m", compression_ratio=0.6, error_compensation="none").compensation == "none"
+    with pytest.raises(ConfigError, match="tensor_parallel"):
+        TrainConfig(model="m", compression_ratio=0.6, error_compensation="gptq", tensor_parallel=2)
+    with pytest.raises(ConfigError, match="error_compensation"):
+        TrainConfig(model="m", compression_ratio=0.6, error_compensation="yes")

@@ -43,7 +43,7 @@ def trained(imatrix_llama256_hf_dir, synthetic_run_inputs, tmp_path_factory):
     Imatrix(entries=other, datasets=["synthetic"], chunk_count=3, chunk_size=512).save_gguf(root / "other-imatrix.gguf")
     cfg = TrainConfig(model=str(d), data_dir=str(root / "data"), imatrix=str(root / "imatrix.gguf"), seq_len=32,
                       batch_size=2, max_steps=3, compression_ratio=0.55, candidate_types=MENU,
-                      output_dir=str(root / "run"))
+                      output_dir=str(root / "run"), error_compensation="none")  # plain: stock llama-quantize's bytes
     tr = Trainer(cfg)
     res = tr.train()
     return root, d, tr, res

@@ -186,7 +186,9 @@ def test_the_hessians_of_error_compensation_are_planned_on_the_host(gate_model_d
 
     base = ["--model", str(gate_model_dir / "model"), "--data_dir", str(tmp_path), "--candidate_types", "Q8_0", "Q4_0",
             "--compression_ratio", "0.6", "--seq_len", "64"]
-    plain, comp = _mem(base), _mem(base + ["--error_compensation", "gptq"])
+    plain, comp = _mem(base + ["--error_compensation", "none"]), _mem(base)  # auto: gptq, the model read whole
+    assert _mem(base + ["--error_compensation", "gptq"]).host_total == comp.host_total
+    assert not any(t.name.startswith("Hessians") for t in _mem(base + ["--lazy"]).host)  # auto: none under --lazy
     assert not any(t.name.startswith("Hessians") for t in plain.host)
     held = next(t.bytes for t in comp.host if t.name.startswith("Hessians"))
     lin = [m for m in load_model(str(gate_model_dir / "model")).modules() if isinstance(m, torch.nn.Linear)]

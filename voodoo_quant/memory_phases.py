@@ -148,7 +148,7 @@ def compensation_term(cfg, model: nn.Module, plans: Sequence) -> Term | None:
     at most ``VOODOO_HESSIAN_PASS_GB``, or the largest single input when that is more), plus one
     tensor's float64 factors while its candidates are built; the stored Hessians are mapped from
     their file, not held."""
-    if getattr(cfg, "error_compensation", "none") == "none":
+    if getattr(cfg, "compensation", "none") == "none":
         return None
     from . import envs
     from .training.hessians import compensable

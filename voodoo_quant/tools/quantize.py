@@ -322,7 +322,7 @@ class Ladder:
         from .precache import PrecacheConfig, precache
 
         c = self.cfg
-        if c.train_extra.get("error_compensation", "none") != "none":
+        if c.train_config(c.sizes[0], self.teacher_hf).compensation != "none":
             # compensated candidates need the Hessians the first size collects: it builds them
             log.info("candidate cache: built by the first size (--error_compensation needs its Hessians)")
             return

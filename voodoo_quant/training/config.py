@@ -16,7 +16,7 @@ from ..menus import DEFAULT_CANDIDATES, MenuConfig, parse_upgrades
 DTYPES = ("float32", "bfloat16", "float16")
 METHODS = ("gates", "sensitivity")
 SENSITIVITY_KINDS = ("fisher", "output", "measured")
-COMPENSATIONS = ("none", "gptq")  # --error_compensation (compensate.py)
+COMPENSATIONS = ("auto", "gptq", "none")  # --error_compensation (compensate.py); auto: see TrainConfig.compensation
 # The llama-quantize recipes the guarantee compares with (those that fit the budget; recipes.py).
 STOCK_REFERENCES = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "Q2_K_S", "Q2_K", "IQ3_XXS", "IQ3_XS",
                     "IQ3_S", "IQ3_M", "Q3_K_S", "Q3_K_M", "Q3_K_L", "IQ4_NL", "IQ4_XS", "Q4_0", "Q4_1", "Q4_K_S",
@@ -105,11 +105,20 @@ class TrainConfig:
     search_margin: float = 0.0  # keep a move only when its paired KL drop exceeds this many standard errors
     guarantee: bool = True  # measure uniform / stock / knapsack references and start from the best
     # error compensation (compensate.py): "gptq" hands the quantizer each tensor with every block's
-    # rounding error passed on to the later columns, from layer-input Hessians (training/hessians.py)
-    error_compensation: str = "none"
+    # rounding error passed on to the later columns, from layer-input Hessians (training/hessians.py);
+    # "auto" is gptq where the float model is read whole (not --lazy, not tensor-parallel)
+    error_compensation: str = "auto"
     compensation_sequences: int = 32  # calibration sequences of the Hessians (first N of the training tokens)
     compensation_damp: float = 0.1  # λ: H + λ·mean(diag H)·I
     stock_references: tuple[str, ...] = STOCK_REFERENCES  # llama-quantize ftypes measured by the guarantee
+
+    @property
+    def compensation(self) -> str:
+        """The error compensation this run uses: ``--error_compensation``, with auto resolved to
+        gptq, or to none under --lazy or tensor parallelism (whose float model is never whole)."""
+        if self.error_compensation != "auto":
+            return self.error_compensation
+        return "none" if self.lazy or self.tensor_parallel > 1 else "gptq"
 
     def __post_init__(self) -> None:
         self.candidate_types = _types(self.candidate_types) or DEFAULT_CANDIDATES
@@ -172,7 +181,7 @@ class TrainConfig:
             raise ConfigError(f"--compensation_sequences must be an integer >= 1, got {self.compensation_sequences!r}")
         if not (isinstance(self.compensation_damp, (int, float)) and 0 < self.compensation_damp < 1e3):
             raise ConfigError(f"--compensation_damp must be a number > 0, got {self.compensation_damp!r}")
-        if self.error_compensation != "none" and self.tensor_parallel > 1:
+        if self.error_compensation == "gptq" and self.tensor_parallel > 1:
             raise ConfigError("--error_compensation needs every layer's whole input in one process: "
                               "not supported under --tensor_parallel yet")
         if self.sensitivity_kind not in SENSITIVITY_KINDS:

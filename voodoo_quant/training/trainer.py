@@ -97,7 +97,7 @@ class Trainer:
         dtype = TORCH_DTYPES[cfg.dtype]
         if build:
             fileio.ensure_writable(cfg.out_dir)  # before minutes of loading and quantizing
-        need_tokens = build or cfg.needs_sensitivity or cfg.error_compensation != "none"  # the Hessians' key
+        need_tokens = build or cfg.needs_sensitivity or cfg.compensation != "none"  # the Hessians' key
         tokens = load_tokens(cfg.data_path, cfg.seq_len) if need_tokens else torch.empty(0, 0, dtype=torch.long)
         # a tensor-parallel rank reads only its shards, and --lazy reads one tensor at a time
         # (training/models.py load_models): the float model is never held whole
@@ -120,7 +120,7 @@ class Trainer:
         self.run.provenance = provenance.run_record(cfg, plans, base, getattr(imx, "sha256", None), budget)  # before any cast
         if build and cfg.method == "gates":  # under TP too: every rank trains on the same batches as one process
             self.run.tokens, self.run.held_tokens = hold_aside(tokens, cfg.search_sequences)
-        if cfg.error_compensation != "none":  # also for a finalize: the assignment records what export redoes
+        if cfg.compensation != "none":  # also for a finalize: the assignment records what export redoes
             from ..compensate import QuantInputs
             from . import hessians
 
