@@ -336,3 +336,18 @@ def test_a_finalize_records_the_compensation_its_candidates_had(gate_model_dir, 
                               finalize_from_partial=str(tmp_path / "a" / "partial.pt"))).train()
     assert fin.assignment.compensation == res.assignment.compensation
     assert fin.assignment.to_dict()["tensors"] == res.assignment.to_dict()["tensors"]
+
+
+def test_a_tensors_factor_is_kept_for_its_next_type_and_changes_no_bit(monkeypatch):
+    from voodoo_quant import compensate
+
+    W, X, H, _ = _problem(rows=16, n=256, tokens=1024)
+    c = Compensation(H)
+    compensate._FACTORS.clear()
+    first = compensated_matrix(W, "Q4_0", None, c)
+    assert c.factor() is c.factor()  # kept: the next type of this tensor reuses it
+    again = compensated_matrix(W, "Q4_0", None, c)
+    np.testing.assert_array_equal(first, again)
+    monkeypatch.setattr(compensate, "FACTOR_CACHE_BYTES", 8 * 256 * 256 - 1)  # one factor is over the budget
+    compensate._FACTORS.clear()
+    assert c.factor() is not c.factor() and not compensate._FACTORS
