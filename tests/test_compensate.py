@@ -351,3 +351,18 @@ def test_auto_compensation_is_gptq_where_the_float_model_is_read_whole():
         TrainConfig(model="m", compression_ratio=0.6, error_compensation="gptq", tensor_parallel=2)
     with pytest.raises(ConfigError, match="error_compensation"):
         TrainConfig(model="m", compression_ratio=0.6, error_compensation="yes")
+
+
+def test_a_tensors_factor_is_kept_for_its_next_type_and_changes_no_bit(monkeypatch):
+    from voodoo_quant import compensate
+
+    W, X, H, _ = _problem(rows=16, n=256, tokens=1024)
+    c = Compensation(H)
+    compensate._FACTORS.clear()
+    first = compensated_matrix(W, "Q4_0", None, c)
+    assert c.factor() is c.factor()  # kept: the next type of this tensor reuses it
+    again = compensated_matrix(W, "Q4_0", None, c)
+    np.testing.assert_array_equal(first, again)
+    monkeypatch.setattr(compensate, "FACTOR_CACHE_BYTES", 8 * 256 * 256 - 1)  # one factor is over the budget
+    compensate._FACTORS.clear()
+    assert c.factor() is not c.factor() and not compensate._FACTORS

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -62,9 +63,21 @@ class Compensation:
 
     def factor(self):
         """(U, dead): the upper Cholesky factor of the damped inverse Hessian (None when no
-        column is live) and the mask of dead columns. Computed per call, not kept: n² float64
-        per tensor would outgrow the candidates themselves on a large model."""
-        return _cholesky_factor(self.hessian, float(self.damp))
+        column is live) and the mask of dead columns. A process keeps the last few it computed
+        (:data:`FACTOR_CACHE_BYTES` in all): a tensor's types are built one after another and
+        share it, while the factors of a whole model (n² float64 each) are never held."""
+        key = self.digest
+        hit = _FACTORS.get(key)
+        if hit is not None:
+            _FACTORS.move_to_end(key)
+            return hit
+        f = _cholesky_factor(self.hessian, float(self.damp))
+        size = 8 * self.n * self.n
+        if size <= FACTOR_CACHE_BYTES:
+            _FACTORS[key] = f
+            while sum(8 * u.shape[0] ** 2 for u, _ in _FACTORS.values() if u is not None) > FACTOR_CACHE_BYTES:
+                _FACTORS.popitem(last=False)
+        return f
 
     @property
     def digest(self) -> str:
@@ -75,6 +88,10 @@ class Compensation:
             h.update(memoryview(np.ascontiguousarray(self.hessian, dtype="<f4")).cast("B"))
             self._digest.append(h.hexdigest())
         return self._digest[0]
+
+
+FACTOR_CACHE_BYTES = 512 << 20
+_FACTORS: OrderedDict = OrderedDict()  # digest -> (U, dead), least recently used first
 
 
 def applies(qtype: str | qt.QType) -> bool:
