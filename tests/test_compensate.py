@@ -21,8 +21,7 @@ import pytest
 import torch
 
 from voodoo_quant import ggml
-from voodoo_quant import qtypes as qt
-from voodoo_quant.cache import FORMAT, CacheKey, CandidateCache
+from voodoo_quant.cache import FORMAT, CandidateCache
 from voodoo_quant.compensate import Compensation, QuantInputs, compensated_matrix, compensation_of, quantize_compensated
 from voodoo_quant.errors import CorruptFileError, QuantizationInputError
 from voodoo_quant.hessian_store import load_hessians, read_key, write_hessians

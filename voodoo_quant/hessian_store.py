@@ -86,6 +86,8 @@ def load_hessians(path: str | os.PathLike, *, key: str | None = None) -> dict[st
     size = p.stat().st_size
     out: dict[str, np.ndarray] = {}
     for name, e in entries.items():
+        if not isinstance(e, dict):
+            raise CorruptFileError(f"{p}: entry {name} is not a tensor")
         shape, offs = e.get("shape"), e.get("data_offsets")
         ok = (e.get("dtype") == "F32" and isinstance(shape, list) and len(shape) == 2 and shape[0] == shape[1]
               and isinstance(shape[0], int) and shape[0] > 0 and isinstance(offs, list) and len(offs) == 2

@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from pathlib import Path
 from typing import Sequence
 
 import numpy as np
