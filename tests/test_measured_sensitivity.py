@@ -24,7 +24,8 @@ def _cfg(d, out, **kw):
 
 @pytest.fixture(scope="module")
 def measured(gate_model_dir, tmp_path_factory):
-    tr = Trainer(_cfg(gate_model_dir, tmp_path_factory.mktemp("measured")))
+    # plain candidates, which the direct computation below quantizes again
+    tr = Trainer(_cfg(gate_model_dir, tmp_path_factory.mktemp("measured"), error_compensation="none"))
     res = tr.train()
     return tr, res
 

@@ -22,6 +22,15 @@ import tp_case  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(autouse=True)
+def _keep_torch_threads():
+    """_rank_results leaves this process at one thread for its references; the next test file gets
+    the thread count it started with (float32 sums depend on it)."""
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def tp_models(tmp_path_factory):
     return tp_case.build_models(tmp_path_factory.mktemp("tp_models"))

@@ -108,7 +108,9 @@ def test_ladder_card_matches_eval_json_and_resumes(tiny_llama_hf_dir, ladder_tex
     third = quantize(_cfg(tiny_llama_hf_dir, ladder_text_dir, out, steps=3), progress=False)
     assert sorted(third.ran) == sorted(["train-Voodoo60", "export-Voodoo60", "train-Voodoo75", "export-Voodoo75",
                                         "eval-Tiny.Voodoo60_IQ3_M", "eval-Tiny.Voodoo75_Q4_K_M"]), third.ran
-    assert {"data", "reference", "imatrix", "candidate-cache", "stock-Q4_0", "eval-reference"} <= set(third.skipped)
+    # (no candidate-cache step: the default error compensation has the first size build the candidates
+    # from its Hessians)
+    assert {"data", "reference", "imatrix", "stock-Q4_0", "eval-reference"} <= set(third.skipped)
     log = (out / "work" / "runs" / "Voodoo60" / "train_log.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in log] == [1, 2, 3]  # retrained from step 0, not resumed from the old journal
 

@@ -70,8 +70,10 @@ def test_ptqr_with_one_hot_gates_is_the_baked_model_and_keeps_the_soft_gate_grad
     assert tied == {"model.embed_tokens.weight"}
     for n in run.mixed:
         # A tied embedding / head: the soft step mixes it once and dots the sum of both uses'
-        # gradients (layers.cached), the routed one dots each use's: 1.3e-4 apart measured.
-        rtol = 1e-3 if n in tied else 1e-4
+        # gradients (layers.cached), the routed one dots each use's: 1.3e-4 apart measured. The
+        # others are float32 sums in another order: up to 5e-5 apart at 2 threads and 1.3e-4 at one
+        # (measured on the compensated candidates of the default).
+        rtol = 1e-3 if n in tied else 3e-4
         torch.testing.assert_close(ptqr_grads[n], soft_grads[n], rtol=rtol, atol=0.0, msg=n)
         nonzero += int((soft_grads[n] != 0).any())
     assert nonzero == len(run.mixed)  # the comparison is not between zeros

@@ -63,11 +63,17 @@ def test_baked_size_lands_within_tolerance(gate_model_dir, tmp_path, ratio):
     tr = Trainer(cfg)
     res = tr.train()
     b = tr.run.budget
+    # The size penalty holds the gates' expected size near its dead zone (±2 %): measured -2.3 % to
+    # +2.8 % of the target at these ratios, with the default error compensation and without.
+    last = json.loads((tmp_path / "run" / "train_log.jsonl").read_text().splitlines()[-1])
+    assert abs(last["expected_bytes"] / last["target_bytes"] - 1) <= 0.04, last
     # Where the gates' argmax landed, before repair / fill (which guarantee the final size whatever
-    # the gates learned): on budget by itself. Measured -0.6 %, -2.5 %, +1.2 %, -0.7 % of the
-    # target at 0.45 / 0.6 / 0.8 / 0.95; with the size penalty switched off it lands +56 % at 0.45.
+    # the gates learned): near budget by itself, though one split gate of the biggest tensor moves it
+    # by a rung (with compensation at 0.6 the tied embedding's gate, after 6 steps at τ 0.55, gives
+    # -8.4 %; without, -0.6 %, -2.5 %, +1.2 %, -0.7 % at 0.45 / 0.6 / 0.8 / 0.95). With the size
+    # penalty switched off it lands +56 % at 0.45.
     arg = sum(p.sizes[res.bake.argmax[p.name]] for p in tr.run.plans)
-    assert abs(arg / b.train_target_bytes - 1) <= 0.03, (arg, b.train_target_bytes)
+    assert abs(arg / b.train_target_bytes - 1) <= 0.12, (arg, b.train_target_bytes)
     total = res.assignment.total_bytes
     assert total == res.bake.total_bytes == sum(p.sizes[res.bake.choice[p.name]] for p in tr.run.plans)
     assert total <= b.target_bytes * (1 + b.tolerance), (total, b.target_bytes)

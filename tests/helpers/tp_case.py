@@ -58,7 +58,9 @@ def config(d: Path, out: Path, tp: int, **kw):
     base = dict(model=str(d / "model"), data_dir=str(d / "data"), seq_len=32, batch_size=2, max_steps=3,
                 compression_ratio=0.62, candidate_types=MENU, output_dir=str(out), tensor_parallel=tp,
                 loss_chunk_size=24, lr=0.5,
-                guarantee=False, search_evals=0)  # the bake alone on both sides, unless a case asks
+                guarantee=False, search_evals=0,  # the bake alone on both sides, unless a case asks
+                # what --error_compensation auto resolves to under TP, so one process builds the same candidates
+                error_compensation="none")
     base.update(kw)
     return TrainConfig(**base)
 
