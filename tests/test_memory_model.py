@@ -179,10 +179,13 @@ def test_reference_recipe_plans_from_a_config_alone():
     assert "torch.distributed.run" not in out  # nothing launched
 
 
-def test_the_hessians_of_error_compensation_are_planned_on_the_host(gate_model_dir, tmp_path):
+def test_the_hessians_of_error_compensation_are_planned_on_the_host(gate_model_dir, tmp_path, monkeypatch):
     import torch
 
+    from voodoo_quant.compensate import FACTOR_CACHE_BYTES
     from voodoo_quant.modeling import load_model
+
+    monkeypatch.setenv("VOODOO_QUANT_WORKERS", "3")
 
     base = ["--model", str(gate_model_dir / "model"), "--data_dir", str(tmp_path), "--candidate_types", "Q8_0", "Q4_0",
             "--compression_ratio", "0.6", "--seq_len", "64"]
@@ -193,6 +196,15 @@ def test_the_hessians_of_error_compensation_are_planned_on_the_host(gate_model_d
     held = next(t.bytes for t in comp.host if t.name.startswith("Hessians"))
     lin = [m for m in load_model(str(gate_model_dir / "model")).modules() if isinstance(m, torch.nn.Linear)]
     n = [m.in_features for m in lin]  # every Linear, the LM head (a tied embedding's H) too
-    # under VOODOO_HESSIAN_PASS_GB (4) every accumulator fits one pass: n² float32 each, one float64 factor set
-    assert held == sum(k * k * 4 for k in n) + 3 * max(n) ** 2 * 8
+    # the larger phase: under VOODOO_HESSIAN_PASS_GB (4) every accumulator fits one pass (n² float32
+    # each); each of the 3 quantization processes keeps every factor (n² float64 each, under
+    # FACTOR_CACHE_BYTES on this tiny model) and works on one tensor (float64 H, factor, inverse)
+    collect = sum(k * k * 4 for k in n)
+    build = 3 * (sum(k * k * 8 for k in n) + 3 * max(n) ** 2 * 8)
+    assert sum(k * k * 8 for k in n) < FACTOR_CACHE_BYTES and build > collect
+    assert held == build
     assert comp.host_total == pytest.approx(plain.host_total + held)
+    # one quantization process: one set of kept factors
+    monkeypatch.setenv("VOODOO_QUANT_WORKERS", "1")
+    one = next(t.bytes for t in _mem(base).host if t.name.startswith("Hessians"))
+    assert one == max(collect, sum(k * k * 8 for k in n) + 3 * max(n) ** 2 * 8)

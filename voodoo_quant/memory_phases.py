@@ -144,13 +144,18 @@ def sensitivity_term(cfg, model: nn.Module, plans: Sequence, full: int, world: i
 
 
 def compensation_term(cfg, model: nn.Module, plans: Sequence) -> Term | None:
-    """``--error_compensation``: one collection pass's Hessian accumulators (training/hessians.py,
-    at most ``VOODOO_HESSIAN_PASS_GB``, or the largest single input when that is more), plus one
-    tensor's float64 factors while its candidates are built; the stored Hessians are mapped from
-    their file, not held."""
+    """``--error_compensation``, the larger of its two phases (the stored Hessians are mapped from
+    their file, not held):
+
+    - collection: one pass's Hessian accumulators (training/hessians.py), at most
+      ``VOODOO_HESSIAN_PASS_GB``, or the largest single input when that is more;
+    - candidates: in each of the ``VOODOO_QUANT_WORKERS`` quantization processes, the factors it
+      keeps for a tensor's next type (compensate.py, at most ``FACTOR_CACHE_BYTES``) plus the float64
+      H, factor and inverse of the tensor it works on."""
     if getattr(cfg, "compensation", "none") == "none":
         return None
     from . import envs
+    from .compensate import FACTOR_CACHE_BYTES
     from .training.hessians import compensable
 
     modules = dict(model.named_modules())
@@ -158,5 +163,9 @@ def compensation_term(cfg, model: nn.Module, plans: Sequence) -> Term | None:
     if not dims:
         return None
     held = min(sum(n * n * 4 for n in dims), max(envs.hessian_pass_bytes(), max(dims) ** 2 * 4))
-    return Term("Hessians (--error_compensation)", held + 3 * max(dims) ** 2 * 8,
-                "one collection pass's n² float32 accumulators (VOODOO_HESSIAN_PASS_GB) + one tensor's float64 factors")
+    workers = envs.quant_workers()
+    per_worker = min(FACTOR_CACHE_BYTES, sum(n * n * 8 for n in dims)) + 3 * max(dims) ** 2 * 8
+    return Term("Hessians (--error_compensation)", max(held, workers * per_worker),
+                f"the larger of one collection pass's n² float32 accumulators (VOODOO_HESSIAN_PASS_GB) and "
+                f"{workers} quantization process(es) × (kept factors, ≤ {FACTOR_CACHE_BYTES >> 20} MiB, + one "
+                f"tensor's float64 H, factor and inverse) (VOODOO_QUANT_WORKERS)")
