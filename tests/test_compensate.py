@@ -45,7 +45,7 @@ def _out_err(W, data, q, X):
     return float((D ** 2).sum())
 
 
-@pytest.mark.parametrize("q", ["Q4_0", "Q5_1", "Q8_0", "IQ4_NL", "Q4_K", "Q3_K", "IQ3_S"])
+@pytest.mark.parametrize("q", ["Q4_0", "Q5_1", "Q8_0", "IQ4_NL", "Q4_K", "Q5_K", "Q3_K", "IQ3_S"])
 def test_compensation_lowers_the_layer_output_error(q):
     W, X, H, imx = _problem()
     plain = ggml.lib().quantize(W, q, imx)
@@ -53,6 +53,21 @@ def test_compensation_lowers_the_layer_output_error(q):
     e0, e1 = _out_err(W, plain, q, X), _out_err(W, comp, q, X)
     print(f"{q}: output error {e1 / e0:.3f} of plain")
     assert e1 < 0.9 * e0, (q, e0, e1)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_q5_k_is_compensated_a_whole_superblock_at_a_time(seed, monkeypatch):
+    """Q5_K's sub-block scales are coded against its superblock's: a superblock quantized again after
+    each sub-block moves those already fixed, and one step per superblock leaves the lower error
+    (measured 0.90 and 0.96 of the 32-column steps here; 0.69-0.72 on SmolLM2's ffn_down)."""
+    from voodoo_quant import compensate
+
+    W, X, H, imx = _problem(seed=seed)
+    assert "Q5_K" in compensate.WHOLE_SUPERBLOCK
+    whole = _out_err(W, quantize_compensated(W, "Q5_K", imx, Compensation(H, 0.01)), "Q5_K", X)
+    monkeypatch.setattr(compensate, "WHOLE_SUPERBLOCK", frozenset())
+    steps = _out_err(W, quantize_compensated(W, "Q5_K", imx, Compensation(H, 0.01)), "Q5_K", X)
+    assert whole < 0.98 * steps, (whole, steps)
 
 
 def test_deterministic_whatever_the_thread_count():
