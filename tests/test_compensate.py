@@ -65,7 +65,9 @@ def test_q5_k_is_compensated_a_whole_superblock_at_a_time(seed, monkeypatch):
     W, X, H, imx = _problem(seed=seed)
     assert "Q5_K" in compensate.WHOLE_SUPERBLOCK
     whole = _out_err(W, quantize_compensated(W, "Q5_K", imx, Compensation(H, 0.01)), "Q5_K", X)
+    key = Compensation(H, 0.01).digest
     monkeypatch.setattr(compensate, "WHOLE_SUPERBLOCK", frozenset())
+    assert Compensation(H, 0.01).digest != key  # another walk: the cache never serves the old bytes
     steps = _out_err(W, quantize_compensated(W, "Q5_K", imx, Compensation(H, 0.01)), "Q5_K", X)
     assert whole < 0.98 * steps, (whole, steps)
 

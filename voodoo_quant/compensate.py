@@ -92,9 +92,10 @@ class Compensation:
 
     @property
     def digest(self) -> str:
-        """sha256 of the algorithm, the damping and the Hessian's bytes (computed once)."""
+        """sha256 of the algorithm (with the types it walks a whole superblock at a time), the
+        damping and the Hessian's bytes (computed once): a changed walk never reads old candidates."""
         if not self._digest:
-            h = hashlib.sha256(f"{ALGORITHM}|{float(self.damp)!r}".encode())
+            h = hashlib.sha256(f"{ALGORITHM}|{','.join(sorted(WHOLE_SUPERBLOCK))}|{float(self.damp)!r}".encode())
             h.update(struct.pack("<q", self.n))
             h.update(memoryview(np.ascontiguousarray(self.hessian, dtype="<f4")).cast("B"))
             self._digest.append(h.hexdigest())
