@@ -58,8 +58,10 @@ MENU = ("Q8_0", "Q6_K", "Q5_K", "Q5_0", "Q4_K", "IQ4_XS", "IQ4_NL", "Q3_K", "IQ3
 # voodoo: the defaults (gates + guarantee + search); sensitivity: the one-shot knapsack on the Fisher
 # table (the default kind); sensitivity_output: the knapsack on the output-error table.
 METHODS = ("voodoo", "sensitivity", "sensitivity_output", "voodoo_gptq", "sensitivity_gptq")
-# *_gptq: the same with `--error_compensation gptq` (voodoo_quant/compensate.py)
+# *_gptq: the same with `--error_compensation gptq` (voodoo_quant/compensate.py); the others pass
+# `none`, so that they stay the plain candidates now that train's default (auto) compensates.
 GPTQ_ARGS = ("--error_compensation", "gptq")
+PLAIN_ARGS = ("--error_compensation", "none")
 # Uniform files (`llama-quantize --pure`): every tensor one type (fallback for 576-wide rows).
 PURE = ("Q4_0", "IQ4_NL", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 
@@ -275,8 +277,7 @@ class QualityBench:
                 argv += ["--method", "sensitivity"]
                 if method == "sensitivity_output":
                     argv += ["--sensitivity_kind", "output"]
-            if method.endswith("_gptq"):
-                argv += list(GPTQ_ARGS)
+            argv += list(GPTQ_ARGS if method.endswith("_gptq") else PLAIN_ARGS)
             self._share_sensitivity_table(run, method, seed)
             self._run(argv, f"train-{step}")
         f = self.method_file(method, size, seed)

@@ -46,6 +46,45 @@ def test_held_aside_split_is_not_trained_on(built):
     n = run.held_tokens.shape[0]
     assert n == min(tr.cfg.search_sequences, full.shape[0] // 4) and n > 0
     assert torch.equal(run.held_tokens, full[-n:]) and torch.equal(run.tokens, full[:-n])
+    assert run.confirm_tokens is None  # the search's split took the whole quarter of this small file
+
+
+def test_confirmation_split_lies_before_the_search_split_and_shares_its_quarter():
+    from voodoo_quant.training.setup import hold_aside
+
+    tokens = torch.arange(40 * 3).view(40, 3)
+    train, held, conf = hold_aside(tokens, 4, 3)
+    assert torch.equal(held, tokens[-4:]) and torch.equal(conf, tokens[-7:-4]) and torch.equal(train, tokens[:-7])
+    train, held, conf = hold_aside(tokens, 8, 8)  # a quarter is 10: the search keeps its 8, 2 are left
+    assert held.shape[0] == 8 and torch.equal(conf, tokens[-10:-8]) and train.shape[0] == 30
+    train, held, conf = hold_aside(tokens, 12, 8)
+    assert held.shape[0] == 10 and conf is None and train.shape[0] == 30
+    assert hold_aside(tokens, 0, 8) == (tokens, None, None)  # no search split, no confirmation
+    with pytest.raises(ConfigError, match="--search_confirm"):
+        TrainConfig(model="m", compression_ratio=0.6, search_confirm=-1)
+
+
+def test_confirmation_keeps_a_better_result_and_rejects_a_worse_one(built):
+    """Measured on other sequences than the search's: the better assignment is kept whichever
+    side of the comparison it is on, and the report's numbers are those measurements."""
+    tr, _ = built
+    run = tr.run
+    other = HeldAside(run.student, run.teacher, run.tokens[:2], device=run.device)
+    rungs = menu_rungs(run.plans, run.mixed)
+    good = {n: len(r.types) - 1 for n, r in rungs.items()}  # Q8_0 everywhere
+    bad = {n: 0 for n in rungs}  # Q2_K everywhere
+    try:
+        up = S.confirm(rungs, bad, good, other)
+        down = S.confirm(rungs, good, bad, other)
+        kl_good, kl_bad = _measure(rungs, other, good), _measure(rungs, other, bad)
+    finally:
+        release(rungs)
+    assert kl_good < kl_bad
+    assert up.kept and not down.kept
+    s = up.summary()
+    assert (s["start_kl"], s["final_kl"], s["sequences"]) == (kl_bad, kl_good, 2)
+    assert s["drop"] == pytest.approx(kl_bad - kl_good, rel=1e-9) and s["drop_stderr"] > 0
+    assert down.summary()["drop"] == pytest.approx(-s["drop"], rel=1e-9)
 
 
 def test_served_assignment_is_exactly_its_candidates(built):
@@ -217,6 +256,39 @@ def test_training_writes_the_best_of_gates_and_references(gate_model_dir, tmp_pa
     finally:
         release(rungs)
     assert kl == pytest.approx(g["final_kl"], rel=1e-6)
+
+
+def test_training_writes_the_search_result_only_where_the_confirmation_split_agrees(gate_model_dir, tmp_path):
+    tr = Trainer(_cfg(gate_model_dir, tmp_path / "run", search_evals=16, search_sequences=2, search_confirm=1,
+                      compression_ratio=0.75))  # a size where this model's search keeps a move
+    res = tr.train()
+    run = tr.run
+    assert run.held_tokens.shape[0] == 2 and run.confirm_tokens.shape[0] == 1
+    g = res.assignment.meta["guarantee"]
+    s = g["search"]
+    assert s["moves"], "the search kept no move: this test would check nothing"
+    c = s["confirm"]
+    from voodoo_quant.training.finalize import _extra_weights
+
+    rungs = menu_rungs(run.plans, run.mixed)
+    by = {p.name: p for p in run.plans}
+    for n, t in res.assignment.tensors.items():
+        rungs[n].add(t.qtype, t.nbytes)
+        extra = {q: b for (name, q), b in run.extra_blobs.items() if name == n}
+        if extra:  # a reference's off-menu type, served from its bytes as the search served it
+            rungs[n].extra = _extra_weights(by[n], extra, run.device)
+    written = {n: rungs[n].index(t.qtype) for n, t in res.assignment.tensors.items()}
+    try:
+        on_confirm = _measure(rungs, HeldAside(run.student, run.teacher, run.confirm_tokens, device=run.device), written)
+        on_held = _measure(rungs, HeldAside(run.student, run.teacher, run.held_tokens, device=run.device), written)
+    finally:
+        release(rungs)
+    # the file written is the search's result where the confirmation split agreed, else its start
+    assert on_confirm == pytest.approx(c["final_kl"] if c["kept"] else c["start_kl"], rel=1e-6)
+    assert on_held == pytest.approx(g["final_kl"], rel=1e-6)
+    assert c["kept"] == (c["final_kl"] < c["start_kl"])
+    if not c["kept"]:
+        assert g["final_kl"] == next(x["kl"] for x in g["candidates"] if x["name"] == g["winner"])
 
 
 # -- bake costs and pins ------------------------------------------------------------------------

@@ -27,8 +27,10 @@ training leaves resident (candidates, teacher, other weights, gates) the phase h
 on no tensor's menu, quantized in the setup and held packed in RAM to the end of the run
 (:func:`references_bytes`); a tensor-parallel rank holds the bytes of its shards.
 
-``--search_sequences`` counts the held-aside sequences. ``hold_aside`` keeps at most a quarter of
-the tokens file, so on a small file this is an upper bound.
+``--search_sequences`` counts the held-aside sequences; the search's confirmation
+(``--search_confirm``) measures its own split after the search's is released, so the larger of
+the two counts. ``hold_aside`` keeps at most a quarter of the tokens file, so on a small file this
+is an upper bound.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ def measure_phase(cfg, *, db: int, hidden: int, vocab_rank: int, n_layers: int, 
     one training step's activations at batch 1 and one loss chunk."""
     from .training.objective import PREFIX_CACHE_BYTES, TEACHER_CACHE_BYTES
 
-    n_seq, T = cfg.search_sequences, cfg.seq_len
+    n_seq, T = max(cfg.search_sequences, cfg.search_confirm if cfg.searches else 0), cfg.seq_len
     n_pred = n_seq * (T - 1)
     served = biggest * db if cfg.lazy else 0.0  # one dequantized rung in use
     if world > 1:

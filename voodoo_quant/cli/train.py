@@ -86,6 +86,7 @@ def register(app: typer.Typer) -> None:
         search_sequences: int = typer.Option(8, "--search_sequences", help="Training sequences held aside (the last N, at most a quarter of the file) on which the guarantee and the search measure KL(teacher ‖ baked student); 0: none (no guarantee, no search).", rich_help_panel=F),
         search_evals: int = typer.Option(48, "--search_evals", help="Measured-KL evaluations of the final local search (one-rung moves and up/down pairs, ranked by the gates' gradient, kept only when the measured KL drops); 0: no search.", rich_help_panel=F),
         relaxation_gap: bool = typer.Option(False, "--relaxation_gap/--no_relaxation_gap", help="Add to the loss the KL the soft mixture hides from a one-hot file (½ Σ_k p_k (W_k − W̄)ᵀF(W_k − W̄), from the Fisher curvature): the gates then descend the expected KL of the file they bake.", rich_help_panel=O),
+        search_confirm: int = typer.Option(8, "--search_confirm", help="More training sequences held aside (before the search's); the search's result is written only when its KL there is below its start's, else the start is (0: no check).", rich_help_panel=F),
         search_margin: float = typer.Option(0.0, "--search_margin", help="Keep a search move only when the KL drop, paired over the held-aside sequences, exceeds this many standard errors (0: any drop).", rich_help_panel=F),
         guarantee: bool = typer.Option(True, "--guarantee/--no_guarantee", help="Measure the best uniform types, the stock llama-quantize recipes and the knapsack that fit the budget beside the gates' bake, and start the search from the best.", rich_help_panel=F),
         error_compensation: str = typer.Option("auto", "--error_compensation", help="gptq: each tensor is handed to the same quantizer with every block's rounding error passed on to its later columns, from the layer inputs' Hessians on calibration text (a better file; stock llama-quantize cannot reproduce its bytes); none: every candidate quantizes the weights as they are (the bytes stock llama-quantize writes); auto: gptq, or none under --lazy or tensor parallelism.", rich_help_panel=X),
@@ -132,6 +133,6 @@ _FIELDS = {
     "dtype", "lazy", "gradient_checkpointing", "no_compile", "tensor_parallel", "device_map", "partial_save_interval",
     "resume", "dry_run", "method", "ptqr", "st_gumbel_fraction", "st_gumbel_tau", "warm_start", "warm_start_mass",
     "sensitivity_sequences", "polish", "loss_chunk_size", "grad_accum_steps", "teacher_device", "log_file",
-    "finalize_from_partial", "resume_from_partial", "search_sequences", "search_evals", "search_margin", "relaxation_gap", "guarantee", "stock_references", "sensitivity_kind",
+    "finalize_from_partial", "resume_from_partial", "search_sequences", "search_evals", "search_confirm", "search_margin", "relaxation_gap", "guarantee", "stock_references", "sensitivity_kind",
     "error_compensation", "compensation_sequences", "compensation_damp",
 }

@@ -14,7 +14,7 @@ from ..menus import is_pinned
 from .guarantee import Candidate, pin, rung_bytes
 from .objective import HeldAside, TPHeldAside
 from .rungs import Rungs, menu_rungs, release, serve, types_of
-from .search import JOURNAL_NAME, SearchEvent, local_search, search_key
+from .search import JOURNAL_NAME, SearchEvent, confirm, local_search, search_key
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,8 @@ class Outcome:
     search: dict | None = None
 
     def report(self) -> dict:
-        final = self.search["final_kl"] if self.search else next(c.kl for c in self.candidates if c.name == self.winner)
+        kept = self.search and self.search.get("confirm", {}).get("kept", True)
+        final = self.search["final_kl"] if kept else next(c.kl for c in self.candidates if c.name == self.winner)
         return {"winner": self.winner, "final_kl": final, "candidates": [c.to_dict() for c in self.candidates],
                 "search": self.search}
 
@@ -70,13 +71,15 @@ def improve(run, gate_choices: Sequence[tuple[str, Mapping[str, int]]], *,
     for c in cands:
         for n, t in c.types.items():
             rungs[n].add(t, by[n].sizes[by[n].menu.types.index(t)] if t in by[n].menu.types else rung_bytes(by[n], t))
-    if run.tp is not None:
-        held = TPHeldAside(run.student, run.teacher, run.held_tokens, run.tp, device=run.device,
-                           teacher_device=run.teacher_device, chunk_tokens=cfg.loss_chunk_size,
-                           sharded=run.tp_sharded)
-    else:
-        held = HeldAside(run.student, run.teacher, run.held_tokens, device=run.device, teacher_device=run.teacher_device,
+    def split(tokens: torch.Tensor) -> HeldAside:
+        if run.tp is not None:
+            return TPHeldAside(run.student, run.teacher, tokens, run.tp, device=run.device,
+                               teacher_device=run.teacher_device, chunk_tokens=cfg.loss_chunk_size,
+                               sharded=run.tp_sharded)
+        return HeldAside(run.student, run.teacher, tokens, device=run.device, teacher_device=run.teacher_device,
                          chunk_tokens=cfg.loss_chunk_size)
+
+    held = split(run.held_tokens)
     try:
         measured = {}
         for c in cands:
@@ -100,6 +103,15 @@ def improve(run, gate_choices: Sequence[tuple[str, Mapping[str, int]]], *,
                                start_measurement=start_m, on_eval=on_eval if main else None,
                                curvature=run.curvature, margin=cfg.search_margin)
             current, search = res.current, res.summary()
+            if res.accepted and run.confirm_tokens is not None:
+                del held  # its teacher cache and layer outputs: the confirmation split holds its own
+                check = confirm(rungs, start, current, split(run.confirm_tokens))
+                search["confirm"] = check.summary()
+                log.info("search: on %d sequences it never saw, KL %.6f -> %.6f (drop %+.6f ± %.6f): %s",
+                         len(check.final.per_sequence), check.start.kl, check.final.kl, search["confirm"]["drop"],
+                         search["confirm"]["drop_stderr"], "kept" if check.kept else "the start is written")
+                if not check.kept:
+                    current = start
         types = types_of(rungs, current)
         sizes = {n: rungs[n].sizes[current[n]] for n in rungs}
     finally:

@@ -107,6 +107,11 @@ def print_result(console: Console, run, result) -> None:
             for mv in s["moves"]:
                 ch = ", ".join(f"{n} {a}→{b}" for n, a, b in mv["changes"])
                 console.print(f"  {ch}: {mv['bytes']:+,} bytes, KL {mv['kl_before']:.6f} → {mv['kl_after']:.6f}")
+            c = s.get("confirm")
+            if c:
+                console.print(f"confirmed on {c['sequences']} sequences the search never saw: KL {c['start_kl']:.6f} → "
+                              f"{c['final_kl']:.6f} (drop {c['drop']:+.6f} ± {c['drop_stderr']:.6f}): "
+                              + ("the search's result is written" if c["kept"] else "not better there, so its start is written"))
     console.print(
         f"baked: {_mb(asg.total_bytes)} ({asg.bpw:.3f} bpw) vs target {_mb(b.target_bytes)} "
         f"(±{b.tolerance:.1%}); upgrades moved {result.bake.upgraded}, repair moves down {result.bake.repaired} / up {result.bake.filled}\n"

@@ -107,6 +107,7 @@ class RunSetup:
     tp_sharded: set[str] = field(default_factory=set)  # gated tensors split across ranks
     provenance: dict = field(default_factory=dict)  # Assignment provenance fields (provenance.run_record)
     held_tokens: torch.Tensor | None = None  # sequences held aside from training (guarantee, search)
+    confirm_tokens: torch.Tensor | None = None  # held aside too, to check the search's result on (search.confirm)
     references: object | None = None  # guarantee.References: the free assignments to beat
     # (tensor, off-menu type) -> its bytes; a tensor-parallel rank's shard of them (student.ShardedPacked)
     extra_blobs: dict[tuple[str, str], Any] = field(default_factory=dict)
@@ -114,13 +115,17 @@ class RunSetup:
     mix_buffers: MixBuffers = field(default_factory=MixBuffers)
 
 
-def hold_aside(tokens: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(training sequences, the last `n` held aside): never fewer than one training sequence,
-    at most a quarter of the file held aside when the file is small."""
+def hold_aside(tokens: torch.Tensor, n: int, confirm: int = 0
+               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(training sequences, the last `n` held aside, the `confirm` before them): never fewer than
+    one training sequence, at most a quarter of the file held aside when the file is small (the
+    search's split first; the confirmation split gets what is left of that quarter)."""
     if n <= 0 or tokens.shape[0] < 2:
-        return tokens, None
-    n = min(n, max(1, tokens.shape[0] // 4))
-    return tokens[:-n], tokens[-n:]
+        return tokens, None, None
+    total = min(n + max(confirm, 0), max(1, tokens.shape[0] // 4))
+    n = min(n, total)
+    c = total - n
+    return tokens[:-total], tokens[-n:], (tokens[-total:-n] if c > 0 else None)
 
 
 def plan_run(cfg: TrainConfig, model: nn.Module, imx=None) -> tuple[ArchAdapter, list[TensorPlan], Budget]:

@@ -119,7 +119,8 @@ class Trainer:
                             tp=tp, tp_plan=tp_plan)
         self.run.provenance = provenance.run_record(cfg, plans, base, getattr(imx, "sha256", None), budget)  # before any cast
         if build and cfg.method == "gates":  # under TP too: every rank trains on the same batches as one process
-            self.run.tokens, self.run.held_tokens = hold_aside(tokens, cfg.search_sequences)
+            self.run.tokens, self.run.held_tokens, self.run.confirm_tokens = hold_aside(
+                tokens, cfg.search_sequences, cfg.search_confirm)
         if cfg.compensation != "none":  # also for a finalize: the assignment records what export redoes
             from ..compensate import QuantInputs
             from . import hessians
