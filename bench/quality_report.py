@@ -231,18 +231,22 @@ def markdown(result: dict[str, Any]) -> str:
     g = [r for r in rows if r["method"] in ("voodoo", "voodoo_gptq") and r.get("guarantee")]
     if g:
         lines += ["", "## What the guarantee and the search did (held-aside calibration KL, not the eval text)", "",
-                  "| file | start (winner) | winner KL | gates' bake KL | best reference | search evals | moves kept | final KL |",
-                  "|---|---|---:|---:|---|---:|---:|---:|"]
+                  "| file | start (winner) | winner KL | gates' bake KL | best reference | search evals | moves kept | "
+                  "search's KL | confirmation split: drop ± s.e. | written KL |",
+                  "|---|---|---:|---:|---|---:|---:|---:|---|---:|"]
         for r in sorted(g, key=lambda r: (r["size_percent"], r.get("seed") or 0)):
             gg = r["guarantee"]
             cands = {c["name"]: c for c in gg["candidates"]}
             refs = [c for c in gg["candidates"] if not c["name"].startswith("gates")]
             best_ref = min(refs, key=lambda c: c["kl"]) if refs else None
             srch = gg.get("search") or {}
+            conf = srch.get("confirm")
+            conf_s = (f"{conf['drop']:+.6f} ± {conf['drop_stderr']:.6f} ({'kept' if conf['kept'] else 'start written'})"
+                      if conf else "—")
             lines.append(
                 f"| {r['name']} | {gg['winner']} | {cands[gg['winner']]['kl']:.6f} | {_f(cands.get('gates', {}).get('kl'), '.6f')} | "
                 f"{best_ref['name'] + ' ' + format(best_ref['kl'], '.6f') if best_ref else '—'} | {srch.get('evals', 0)} | "
-                f"{len(srch.get('moves', []))} | {gg['final_kl']:.6f} |")
+                f"{len(srch.get('moves', []))} | {_f(srch.get('final_kl'), '.6f')} | {conf_s} | {gg['final_kl']:.6f} |")
     return "\n".join(lines) + "\n"
 
 
