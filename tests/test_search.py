@@ -1,15 +1,10 @@
-"""The measured-KL final search, the never-worse guarantee and the bake's costs (issue 15)."""
-
-from types import SimpleNamespace
+"""The measured-KL final search and the never-worse guarantee (issue 15); the bake's costs are in test_bake_costs.py."""
 
 import pytest
 import torch
 
-from voodoo_quant.budget import Budget
 from voodoo_quant.errors import ConfigError
-from voodoo_quant.menus import is_pinned, parse_upgrades
 from voodoo_quant.training import search as S
-from voodoo_quant.training.bake import bake
 from voodoo_quant.training.config import TrainConfig
 from voodoo_quant.training.objective import HeldAside
 from voodoo_quant.training.rungs import menu_rungs, release, serve, total_bytes
@@ -289,60 +284,6 @@ def test_training_writes_the_search_result_only_where_the_confirmation_split_agr
     assert c["kept"] == (c["final_kl"] < c["start_kl"])
     if not c["kept"]:
         assert g["final_kl"] == next(x["kl"] for x in g["candidates"] if x["name"] == g["winner"])
-
-
-# -- bake costs and pins ------------------------------------------------------------------------
-
-def _plans(spec):
-    """spec: name -> sizes (cheapest first)."""
-    return [SimpleNamespace(name=n, sizes=tuple(s), menu=SimpleNamespace(types=tuple(f"q{i}" for i in range(len(s)))))
-            for n, s in spec.items()]
-
-
-def _budget(target, tol=0.02):
-    return Budget(q8_bytes=target * 2, min_bytes=0, max_bytes=target * 4, n_weights=1, target_bytes=target,
-                  train_target_bytes=target, tolerance=tol)
-
-
-def test_repair_ranks_by_logit_gaps_not_bytes():
-    """Saturated probabilities would make every cost ≈ 1/bytes (the big tensor first); the logits
-    still say the big tensor cares far more than the small one."""
-    plans = _plans({"big": (1000, 2000), "small": (100, 600)})
-    logits = {"big": torch.tensor([0.0, 5.0]), "small": torch.tensor([0.0, 0.1])}
-    res = bake(plans, logits, _budget(2150, tol=0.0))
-    assert res.argmax == {"big": 1, "small": 1}
-    assert res.choice == {"big": 1, "small": 0} and res.repaired == 1
-
-
-def test_fill_ranks_by_logit_gaps_not_bytes():
-    plans = _plans({"big": (1000, 2000), "small": (100, 600)})
-    logits = {"big": torch.tensor([5.0, 0.0]), "small": torch.tensor([0.2, 0.0])}
-    res = bake(plans, logits, _budget(2000, tol=0.1))
-    assert res.argmax == {"big": 0, "small": 0}
-    assert res.choice == {"big": 0, "small": 1} and res.filled == 1
-
-
-def test_upgrades_stay_pinned_through_repair_and_fill():
-    plans = _plans({"model.layers.0.mlp.up_proj.weight": (100, 200, 400),
-                    "model.layers.0.self_attn.q_proj.weight": (100, 200, 400),
-                    "model.layers.1.self_attn.q_proj.weight": (100, 200, 400)})
-    ups = parse_upgrades('[{"pattern": "mlp\\\\.(gate|up|down)_proj$", "levels": 1}]')
-    mlp = "model.layers.0.mlp.up_proj.weight"
-    assert is_pinned(mlp, ups) and not is_pinned("model.layers.0.self_attn.q_proj.weight", ups)
-    # every argmax on the middle rung; the upgrade lifts mlp to 400; over budget -> repair
-    logits = {p.name: torch.tensor([0.0, 1.0, 0.5]) for p in plans}
-    res = bake(plans, logits, _budget(700, tol=0.0), ups)
-    assert res.choice[mlp] == 2 and res.upgraded == 1 and res.pinned == (mlp,)
-    assert res.total_bytes <= 700
-    # under budget -> fill never touches the pinned tensor either (it would be the cheapest up-move)
-    down = parse_upgrades('[{"pattern": "mlp\\\\.(gate|up|down)_proj$", "levels": -1}]')
-    logits = {p.name: torch.tensor([0.0, 1.0, 0.9]) for p in plans}
-    logits[mlp] = torch.tensor([0.0, 1.0, 0.99])
-    res = bake(plans, logits, _budget(1000, tol=0.05), down)
-    assert res.choice[mlp] == 0 and res.filled >= 1
-    with pytest.raises(ConfigError, match="pinned"):
-        bake(plans, {p.name: torch.tensor([0.0, 0.0, 1.0]) for p in plans}, _budget(300, tol=0.0),
-             parse_upgrades('[{"pattern": "q_proj$", "levels": 0}]'))
 
 
 def test_prefix_replay_measures_exactly_what_a_full_forward_does(built):
