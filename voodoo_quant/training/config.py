@@ -103,7 +103,7 @@ class TrainConfig:
     search_sequences: int = 8  # training sequences held aside (the last N) to measure KL on
     search_evals: int = 48  # measured-KL evaluations of the final search (0: no search)
     search_margin: float = 0.0  # keep a move only when its paired KL drop exceeds this many standard errors
-    search_confirm: int = 8  # more sequences held aside: the search's result is written only if it beats its start there
+    search_confirm: int = 0  # more sequences held aside: the search's result is written only if it beats its start there
     guarantee: bool = True  # measure uniform / stock / knapsack references and start from the best
     # error compensation (compensate.py): "gptq" hands the quantizer each tensor with every block's
     # rounding error passed on to the later columns, from layer-input Hessians (training/hessians.py);
