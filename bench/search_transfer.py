@@ -51,10 +51,10 @@ def main() -> None:
     import torch
 
     from voodoo_quant.cli.train import build_config
-    from voodoo_quant.training.finalize import _extra_weights
+    from voodoo_quant.training.finalize import run_rungs
     from voodoo_quant.training.guarantee import rung_bytes
     from voodoo_quant.training.objective import HeldAside
-    from voodoo_quant.training.rungs import menu_rungs, release, serve
+    from voodoo_quant.training.rungs import release, serve
     from voodoo_quant.training.setup import load_tokens
     from voodoo_quant.training.trainer import Trainer
 
@@ -71,11 +71,7 @@ def main() -> None:
     run = trainer.prepare()
     torch.set_grad_enabled(False)
     by = {p.name: p for p in run.plans}
-    rungs = menu_rungs(run.plans, run.mixed)
-    for n, r in rungs.items():
-        extra = {t: b for (name, t), b in run.extra_blobs.items() if name == n}
-        if extra:
-            r.extra = _extra_weights(by[n], extra, run.device)
+    rungs = run_rungs(run)
 
     search = json.loads((a.run / "search.json").read_text())
     types = dict(search["current"])

@@ -263,15 +263,11 @@ def test_training_writes_the_search_result_only_where_the_confirmation_split_agr
     s = g["search"]
     assert s["moves"], "the search kept no move: this test would check nothing"
     c = s["confirm"]
-    from voodoo_quant.training.finalize import _extra_weights
+    from voodoo_quant.training.finalize import run_rungs
 
-    rungs = menu_rungs(run.plans, run.mixed)
-    by = {p.name: p for p in run.plans}
+    rungs = run_rungs(run)  # a reference's off-menu type is served from its bytes, as the search served it
     for n, t in res.assignment.tensors.items():
         rungs[n].add(t.qtype, t.nbytes)
-        extra = {q: b for (name, q), b in run.extra_blobs.items() if name == n}
-        if extra:  # a reference's off-menu type, served from its bytes as the search served it
-            rungs[n].extra = _extra_weights(by[n], extra, run.device)
     written = {n: rungs[n].index(t.qtype) for n, t in res.assignment.tensors.items()}
     try:
         on_confirm = _measure(rungs, HeldAside(run.student, run.teacher, run.confirm_tokens, device=run.device), written)

@@ -45,6 +45,18 @@ def _extra_weights(plan, held: Mapping[str, object], device: torch.device) -> Ca
     return make
 
 
+def run_rungs(run) -> dict[str, Rungs]:
+    """Every tensor's rungs: its menu, plus the references' off-menu types the run holds bytes of
+    (added to a tensor's ladder with ``Rungs.add`` when an assignment uses them)."""
+    by = {p.name: p for p in run.plans}
+    rungs: dict[str, Rungs] = menu_rungs(run.plans, run.mixed)
+    for n, r in rungs.items():
+        extra = {t: b for (name, t), b in run.extra_blobs.items() if name == n}
+        if extra:
+            r.extra = _extra_weights(by[n], extra, run.device)
+    return rungs
+
+
 def improve(run, gate_choices: Sequence[tuple[str, Mapping[str, int]]], *,
             on_eval: Callable[[SearchEvent], None] | None = None) -> Outcome:
     """Measure `gate_choices` ((name, tensor -> menu index), the bake first) and the run's
@@ -56,11 +68,7 @@ def improve(run, gate_choices: Sequence[tuple[str, Mapping[str, int]]], *,
     hi = float(run.budget.upper_bytes)
     lo = run.budget.target_bytes * (1.0 - run.budget.tolerance)
     by = {p.name: p for p in plans}
-    rungs: dict[str, Rungs] = menu_rungs(plans, run.mixed)
-    for n, r in rungs.items():
-        extra = {t: b for (name, t), b in run.extra_blobs.items() if name == n}
-        if extra:
-            r.extra = _extra_weights(by[n], extra, run.device)
+    rungs = run_rungs(run)
     baked = {n: by[n].menu.types[k] for n, k in gate_choices[0][1].items()}
     cands = [Candidate(name, {n: by[n].menu.types[k] for n, k in ch.items()}, sum(by[n].sizes[k] for n, k in ch.items()))
              for name, ch in gate_choices]
