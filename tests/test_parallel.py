@@ -279,6 +279,25 @@ def test_tp2_search_runs_on_every_rank_and_takes_the_single_process_moves(tp_mod
 
 
 @pytest.mark.slow
+def test_tp2_confirmation_measures_what_one_process_measures(tp_models, tmp_path):
+    """Under TP the search's result is checked on the confirmation split across the ranks: every
+    rank gets the single process's start and result KLs there, takes the same decision (the
+    result, or the start written) and writes the single process's assignment."""
+    ranks = _rank_results(tp_models, tmp_path, ["llama:confirm"])
+    ref = tp_case.run_case(tp_models["llama"], tmp_path / "one", 1, **tp_case.CONFIRM)
+    one = ref["guarantee"]["search"]
+    assert one["moves"] and "confirm" in one  # the search kept a move, so the confirmation ran
+    assert ranks[0]["llama:confirm"]["guarantee"] == ranks[1]["llama:confirm"]["guarantee"]
+    got = ranks[0]["llama:confirm"]["guarantee"]["search"]
+    assert [mv["changes"] for mv in got["moves"]] == [mv["changes"] for mv in one["moves"]]
+    c, c1 = got["confirm"], one["confirm"]
+    assert c["sequences"] == c1["sequences"] == 1 and c["kept"] == c1["kept"]
+    for k in ("start_kl", "final_kl", "drop"):
+        assert c[k] == pytest.approx(c1[k], rel=1e-4, abs=1e-7), k
+    assert ranks[0]["llama:confirm"]["written"] == ranks[1]["llama:confirm"]["written"] == ref["written"]
+
+
+@pytest.mark.slow
 def test_voodoo_tp_cli_runs_the_ranks_and_writes_the_single_process_assignment(tp_models, tmp_path):
     import json
 

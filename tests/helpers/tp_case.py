@@ -6,7 +6,8 @@ assignment baked after a short run.
 
 ROOT holds the models written by `build_models`; each rank writes OUT/rank<r>.pt. A case
 "ARCH:lazy" runs with --lazy (packed candidate shards), "ARCH:guarantee" with the guarantee on,
-"ARCH:search" with the guarantee and the search on, and "ARCH:probe" measures and probes the
+"ARCH:search" with the guarantee and the search on, "ARCH:confirm" with the search's result
+checked on a confirmation split, and "ARCH:probe" measures and probes the
 held-aside objective directly (:func:`probe_case`).
 """
 
@@ -94,6 +95,8 @@ def _off_menu(run) -> dict:
 
 # from the guarantee's winner, its references' off-menu rungs on the search's ladder
 SEARCH = dict(guarantee=True, search_evals=8, search_sequences=2)
+# the same, with one of those two sequences moved to the confirmation split (the quarter cap of 8)
+CONFIRM = dict(SEARCH, search_sequences=1, search_confirm=1)
 
 
 def probe_case(d: Path, out: Path, tp: int) -> dict:
@@ -147,7 +150,8 @@ def main(argv: list[str]) -> None:
         if mode == "probe":
             results[case] = probe_case(root / arch, out / case.replace(":", "-"), 2)
             continue
-        kw = {"guarantee": True} if mode == "guarantee" else SEARCH if mode == "search" else {"lazy": mode == "lazy"}
+        modes = {"guarantee": {"guarantee": True}, "search": SEARCH, "confirm": CONFIRM}
+        kw = modes.get(mode, {"lazy": mode == "lazy"})
         results[case] = run_case(root / arch, out / case.replace(":", "-"), 2, **kw)
         results[case]["whole_loads"] = len(whole)
     rank = dist.get_rank()
