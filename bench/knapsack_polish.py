@@ -1,9 +1,10 @@
 """Does polish help a knapsack? Measures, on a validation split of training sequences (never the
 eval text), paired over sequences, three layouts of the same sensitivity table at each size:
 
-- ``target+polish``: the greedy knapsack at the training target, then polish (what
-  ``voodoo train --method sensitivity`` writes);
-- ``upper``: the greedy knapsack straight to the budget's upper bound (the guarantee's reference);
+- ``target+polish``: what ``voodoo train --method sensitivity`` writes (the greedy knapsack at the
+  training target, baked and polished: ``methods.sensitivity_choice``; the guarantee's
+  ``knapsack+polish``);
+- ``upper``: the greedy knapsack straight to the budget's upper bound (the guarantee's ``knapsack``);
 - ``upper+polish``: that, then polish.
 
     .venv/bin/python bench/knapsack_polish.py --out runs/q7 --sizes 50,60,70,80,90,95 --work /tmp/kp
@@ -43,10 +44,12 @@ def main() -> None:
     from voodoo_quant.cli.train import build_config
     from voodoo_quant.training.finalize import run_rungs
     from voodoo_quant.training.knapsack import greedy_layout, polish
-    from voodoo_quant.training.methods import knapsack_layout
+    from voodoo_quant.training.methods import sensitivity_choice
     from voodoo_quant.training.objective import HeldAside
     from voodoo_quant.training.rungs import release, serve
     from voodoo_quant.training.setup import load_tokens
+    from voodoo_quant.hessian_store import FILE as HESSIANS_FILE
+    from voodoo_quant.training.sensitivity import TABLE_NAME
     from voodoo_quant.training.trainer import Trainer
 
     settings = json.loads((a.out / "settings.json").read_text())
@@ -54,14 +57,15 @@ def main() -> None:
     for size in [int(s) for s in a.sizes.split(",")]:
         work = a.work / f"s{size}"
         work.mkdir(parents=True, exist_ok=True)
-        src = a.out / "runs" / f"sensitivity_gptq{size}"
-        for f in ("hessians.pt", "sensitivity.pt"):  # reused, not recomputed (train checks their keys)
+        src = a.out / "runs" / f"sensitivity_gptq{size}" / "seed0"
+        for f in (HESSIANS_FILE, TABLE_NAME):  # reused, not recomputed (train checks their keys)
             if (src / f).is_file() and not (work / f).is_file():
                 shutil.copy(src / f, work / f)
         cfg = build_config(model=str(a.out / "hf"), data_dir=str(a.out / "data"), imatrix=str(a.out / "imatrix.gguf"),
                            compression_ratio=size / 100, seq_len=settings["seq_len"], max_steps=settings["steps"],
                            candidate_types=tuple(settings["menu"]), seed=0, output_dir=str(work),
                            output_name="kp.pt", error_compensation="gptq")
+        torch.set_grad_enabled(True)  # the Fisher table of a size not in the bench is computed here
         run = Trainer(cfg).prepare()
         torch.set_grad_enabled(False)
         b = run.budget
@@ -70,15 +74,15 @@ def main() -> None:
         def polished(choice):
             return polish(run.plans, run.sensitivity, choice, lower=lower, upper=b.upper_bytes, upgrades=cfg.upgrades)
 
-        tp = polished(knapsack_layout(run))
+        tp = sensitivity_choice(run)  # what --method sensitivity writes
         up = greedy_layout(run.plans, run.sensitivity, b.upper_bytes)
         upp = polished(up)
-        layouts = {"target+polish": tp.choice, "upper": up, "upper+polish": upp.choice}
+        layouts = {"target+polish": tp, "upper": up, "upper+polish": upp.choice}
         by = {p.name: p for p in run.plans}
         recorded = src / "assignment.json"
         if recorded.is_file():
             rec = {n: t["qtype"] for n, t in json.loads(recorded.read_text())["tensors"].items()}
-            mine = {n: by[n].menu.types[k] for n, k in tp.choice.items()}
+            mine = {n: by[n].menu.types[k] for n, k in tp.items()}
             diff = sum(rec.get(n) != t for n, t in mine.items())
             print(f"size {size}: target+polish differs from the recorded --method sensitivity file in {diff} tensors")
         rungs = run_rungs(run)
@@ -104,7 +108,7 @@ def main() -> None:
             nd = sum(layouts[label][n] != up[n] for n in up)
             print(f"size {size}: upper vs {label}: drop {d:+.6f} ± {se:.6f} ({nd} tensors differ)", flush=True)
             res[label]["upper_drop"], res[label]["upper_drop_se"], res[label]["tensors_differ"] = d, se, nd
-        res["polish_moves"] = {"target": tp.moves, "upper": upp.moves}
+        res["polish_moves_upper"] = upp.moves
         out_rows.append({"size": size, **res})
         del run, rungs, valm
     if a.json:

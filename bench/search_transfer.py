@@ -56,11 +56,13 @@ def main() -> None:
     from voodoo_quant.training.objective import HeldAside
     from voodoo_quant.training.rungs import release, serve
     from voodoo_quant.training.setup import load_tokens
+    from voodoo_quant.hessian_store import FILE as HESSIANS_FILE
+    from voodoo_quant.training.sensitivity import TABLE_NAME
     from voodoo_quant.training.trainer import Trainer
 
     settings = json.loads((a.out / "settings.json").read_text())
     a.work.mkdir(parents=True, exist_ok=True)
-    for f in ("hessians.pt", "sensitivity.pt"):  # reused, not recomputed (train checks their keys)
+    for f in (HESSIANS_FILE, TABLE_NAME):  # reused, not recomputed (train checks their keys)
         if (a.run / f).is_file() and not (a.work / f).is_file():
             shutil.copy(a.run / f, a.work / f)
     cfg = build_config(model=str(a.out / "hf"), data_dir=str(a.out / "data"), imatrix=str(a.out / "imatrix.gguf"),

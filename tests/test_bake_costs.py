@@ -61,3 +61,24 @@ def test_upgrades_stay_pinned_through_repair_and_fill():
     with pytest.raises(ConfigError, match="pinned"):
         bake(plans, {p.name: torch.tensor([0.0, 0.0, 1.0]) for p in plans}, _budget(300, tol=0.0),
              parse_upgrades('[{"pattern": "q_proj$", "levels": 0}]'))
+
+
+def test_method_sensitivity_repairs_by_its_table_from_its_layout():
+    """``--method sensitivity`` bakes its knapsack layout with −s as the scores: after an upgrade
+    pushes the size over budget, repair gives up the rung the table values least per byte (the
+    small tensor here), where the layout's warm-start logits (one rung preferred, the others
+    equal) would rank every move by bytes alone and take the big tensor down first."""
+    from voodoo_quant.training.sensitivity import warm_logits
+
+    plans = _plans({"model.layers.0.mlp.up_proj.weight": (100, 200, 400),
+                    "model.layers.0.self_attn.q_proj.weight": (1000, 2000, 4000),
+                    "model.layers.0.self_attn.k_proj.weight": (500, 1000, 2000)})
+    mlp, big, small = (p.name for p in plans)
+    table = {mlp: [0.5, 0.2, 0.0], big: [9.0, 4.0, 0.0], small: [0.30, 0.01, 0.0]}
+    layout = {mlp: 1, big: 2, small: 2}
+    ups = parse_upgrades('[{"pattern": "mlp\\\\.(gate|up|down)_proj$", "levels": 1}]')
+    budget = _budget(6200, tol=0.0)  # layout 6200 bytes, the upgrade adds 200
+    res = bake(plans, {n: [-x for x in v] for n, v in table.items()}, budget, ups, start=layout)
+    assert res.argmax == layout and res.choice == {mlp: 2, big: 2, small: 1} and res.repaired == 1
+    warm = bake(plans, warm_logits(plans, layout, 1.0, 0.9), budget, ups)
+    assert warm.choice[big] == 1  # what the previous scores did: the biggest saving, whatever it cost

@@ -14,7 +14,12 @@ The score of a rung is what the run learned about it and must still carry inform
 of training: the gate *logits* (temperature-free, i.e. log-probabilities at τ = 1 up to a
 constant), not the probabilities at τ_end, where every argmax has p ≈ 1 and every cost would be
 ≈ 1/bytes (the largest tensors would move first whatever the gates said). ``--method sensitivity``
-passes −s, its sensitivity table.
+passes −s, its sensitivity table, as the scores and the knapsack's layout as the start (the
+argmax of −s would be every tensor's richest rung), so its repair and fill cost what the table
+says a rung is worth.
+
+:func:`bake_and_polish` is the bake every run writes: this, then the knapsack polish
+(``--polish``); the guarantee measures the one-shot knapsack through it too.
 """
 
 from __future__ import annotations
@@ -49,12 +54,17 @@ def bake(
     scores: Mapping[str, Sequence[float] | torch.Tensor],
     budget: Budget,
     upgrades: Sequence[Upgrade] = (),
+    start: Mapping[str, int] | None = None,
 ) -> BakeResult:
     """`scores[t][k]`: how much the run prefers rung k of tensor t (higher is better): the gate
-    logits of a training run. The argmax of the scores is the starting choice."""
+    logits of a training run. The starting choice is `start` (tensor -> rung) when given, else the
+    argmax of the scores."""
     by_name = {p.name: p for p in plans}
     sc = {n: _as_list(scores[n]) for n in by_name}
-    arg = {n: max(range(len(v)), key=lambda k, v=v: (v[k], -k)) for n, v in sc.items()}
+    if start is not None:
+        arg = {n: int(start[n]) for n in by_name}
+    else:
+        arg = {n: max(range(len(v)), key=lambda k, v=v: (v[k], -k)) for n, v in sc.items()}
     pinned = {n for n in by_name if is_pinned(n, upgrades)}
     choice = {}
     upgraded = 0
@@ -106,3 +116,25 @@ def bake(
         total += added
         filled += 1
     return BakeResult(choice, arg, upgraded, repaired, total, filled, tuple(sorted(pinned)))
+
+
+
+def polish_baked(plans: Sequence, table: Mapping[str, Sequence[float]], res: BakeResult, budget: Budget,
+                 upgrades: Sequence[Upgrade] = ()):
+    """``knapsack.polish`` of a bake inside the dead zone: `res` takes the polished choice and
+    bytes; returns the polish's result."""
+    from .knapsack import polish
+
+    pol = polish(plans, table, res.choice, lower=budget.target_bytes * (1 - budget.tolerance),
+                 upper=budget.upper_bytes, upgrades=upgrades)
+    res.choice, res.total_bytes = pol.choice, pol.total_bytes
+    return pol
+
+
+def bake_and_polish(plans: Sequence, scores: Mapping[str, Sequence[float] | torch.Tensor], budget: Budget,
+                    upgrades: Sequence[Upgrade] = (), *, table: Mapping[str, Sequence[float]] | None = None,
+                    start: Mapping[str, int] | None = None):
+    """:func:`bake`, then :func:`polish_baked` when `table` (the sensitivity table) is given.
+    Returns (the bake's result, polished when polished; the polish's result or None)."""
+    res = bake(plans, scores, budget, upgrades, start=start)
+    return res, (polish_baked(plans, table, res, budget, upgrades) if table is not None else None)

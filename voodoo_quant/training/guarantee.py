@@ -8,7 +8,11 @@ is measured on the held-aside calibration split (``objective.HeldAside``) beside
 - ``stock <FTYPE>``: the types stock ``llama-quantize`` writes per tensor for an ftype
   (``voodoo_quant/recipes.py``, its rules reproduced and tested against the tool), the largest
   recipes that fit;
-- ``knapsack``: the one-shot sensitivity knapsack (``knapsack.greedy_layout``) at the budget;
+- ``knapsack``: the one-shot sensitivity knapsack (``knapsack.greedy_layout``) up to the upper
+  bound, and ``knapsack+polish``: the assignment ``--method sensitivity`` writes (the greedy layout
+  at the training target, baked and polished: ``methods.sensitivity_choice``). Both minimize the
+  same additive table, but they differ in tens of tensors, and on 64 validation sequences at
+  Voodoo60 the second had 6 % less KL (WHITEPAPER §4.z, stop 34), so both are measured;
 - ``gates`` (and ``gates+polish``): the bake of the trained gates.
 
 "Fits" means at most the budget's upper bound, ``target × (1 + tolerance)``. The best measured
@@ -85,11 +89,12 @@ def uniform_types(plan, qtype: str, has_imatrix: bool) -> str | None:
     return q.name
 
 
-def plan_references(plans: Sequence, hi: float, *, covered: set[str], knapsack: Mapping[str, int] | None = None,
+def plan_references(plans: Sequence, hi: float, *, covered: set[str], knapsack: Mapping[str, Mapping[str, int]] | None = None,
                     stock: Callable[[str], Mapping[str, str] | None] | None = None,
                     stock_ftypes: Sequence[str] = (), menu_types: Sequence[str] = ()) -> References:
     """The free references that fit under `hi` bytes: the largest uniform files and stock recipes
-    (at most MEASURE_UNIFORM / MEASURE_STOCK of each) and the knapsack layout (menu indices)."""
+    (at most MEASURE_UNIFORM / MEASURE_STOCK of each) and the knapsack layouts (name -> tensor ->
+    menu index; one candidate per distinct assignment, the first name kept)."""
     refs = References()
     uniform = []
     for t in dict.fromkeys([*UNIFORM_TYPES, *menu_types]):
@@ -114,9 +119,12 @@ def plan_references(plans: Sequence, hi: float, *, covered: set[str], knapsack: 
             stocks.append(Candidate(f"stock {f}", dict(types), total))
     stocks = _largest_distinct(stocks, MEASURE_STOCK)
     refs.candidates = uniform + stocks
-    if knapsack is not None:
-        types = {p.name: p.menu.types[knapsack[p.name]] for p in plans}
-        refs.candidates.append(Candidate("knapsack", types, sum(p.sizes[knapsack[p.name]] for p in plans)))
+    seen = []
+    for name, layout in (knapsack or {}).items():
+        types = {p.name: p.menu.types[layout[p.name]] for p in plans}
+        if types not in seen:  # one measurement per distinct assignment
+            seen.append(types)
+            refs.candidates.append(Candidate(name, types, sum(p.sizes[layout[p.name]] for p in plans)))
     by = {p.name: p for p in plans}
     for c in refs.candidates:
         for n, t in c.types.items():

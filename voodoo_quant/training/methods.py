@@ -12,6 +12,7 @@ import torch
 
 from ..errors import ConfigError
 from . import journal
+from .bake import bake_and_polish
 from .knapsack import greedy_layout
 from .schedule import tau_at
 from .sensitivity import warm_logits
@@ -39,13 +40,28 @@ def one_hot_probs(plans, layout: dict[str, int]) -> dict[str, torch.Tensor]:
     return out
 
 
+def sensitivity_scores(run) -> dict[str, list[float]]:
+    """What ``--method sensitivity``'s bake ranks by: −s (higher is better), from the knapsack's layout."""
+    return {p.name: [-float(x) for x in run.sensitivity[p.name]] for p in run.plans}
+
+
+def sensitivity_choice(run) -> dict[str, int]:
+    """tensor -> menu index that ``--method sensitivity`` writes: the knapsack's layout at the
+    training target, baked (upgrades pinned, repair and fill by the table) and polished as
+    ``--polish`` says. The guarantee measures it as the one-shot knapsack (references.py)."""
+    layout = knapsack_layout(run)
+    res, _ = bake_and_polish(run.plans, sensitivity_scores(run), run.budget, run.cfg.upgrades,
+                             table=run.sensitivity if run.cfg.polish else None, start=layout)
+    return res.choice
+
+
 def sensitivity_method(trainer):
     """``--method sensitivity``: the knapsack's layout, baked like trained gates (no training)."""
     run = trainer.run or trainer.prepare(build=False)
     layout = knapsack_layout(run)
     probs = one_hot_probs(run.plans, layout)
-    gates = warm_logits(run.plans, layout, 1.0, run.cfg.warm_start_mass)
-    return trainer.finish([], probs=probs, gates=gates)
+    gates = warm_logits(run.plans, layout, 1.0, run.cfg.warm_start_mass)  # saved as the result's gates
+    return trainer.finish([], probs=probs, gates=gates, bake_with=(sensitivity_scores(run), layout))
 
 
 def finalize_from_partial(trainer, path: str):

@@ -17,8 +17,11 @@ def plan_references_for(run, base, vectors, imx, *, progress: bool = False) -> N
     knap = None
     if run.sensitivity is not None:
         from .knapsack import greedy_layout
+        from .methods import sensitivity_choice
 
-        knap = greedy_layout(run.plans, run.sensitivity, run.budget.upper_bytes)
+        knap = {"knapsack": greedy_layout(run.plans, run.sensitivity, run.budget.upper_bytes),
+                # what --method sensitivity writes: a different knapsack, and not always the worse one
+                "knapsack+polish" if cfg.polish else "knapsack at target": sensitivity_choice(run)}
     stock = stock_provider(run.plans, getattr(base, "config", None), has_imatrix=imx is not None)
     menu_types = sorted({t for p in run.plans for t in p.menu.types})
     refs = plan_references(run.plans, run.budget.upper_bytes, covered=set(vectors), knapsack=knap, stock=stock,

@@ -26,7 +26,7 @@ from ..errors import ConfigError
 from . import journal, methods, routing
 from .references import complete_curvature, plan_references_for
 from .journal import StepMetrics, append_log as _append_log, read_log as _read_log
-from .bake import BakeResult, bake
+from .bake import BakeResult, bake, polish_baked
 from .losses import distill_terms
 from .config import TrainConfig
 from .schedule import batch_indices, tau_at
@@ -293,9 +293,11 @@ class Trainer:
 
     # -- bake and outputs --------------------------------------------------------------------
     def finish(self, history: list[StepMetrics], *, resumed_from: int = 0,
-               probs: dict[str, torch.Tensor] | None = None, gates: dict[str, torch.Tensor] | None = None) -> TrainResult:
+               probs: dict[str, torch.Tensor] | None = None, gates: dict[str, torch.Tensor] | None = None,
+               bake_with: tuple[dict, dict[str, int] | None] | None = None) -> TrainResult:
         """Bake and write the outputs; `probs`/`gates` stand in for the live gates when a run
-        trained nothing here (``--method sensitivity``, ``--finalize_from_partial``)."""
+        trained nothing here (``--method sensitivity``, ``--finalize_from_partial``); `bake_with`
+        (scores, start) replaces the gates as what the bake ranks by (``--method sensitivity``)."""
         run = self.run
         assert run is not None
         cfg = run.cfg
@@ -308,16 +310,15 @@ class Trainer:
                     mq.tau = tau
                 probs = {n: mq.probs().detach().cpu() for n, mq in run.mixed.items()}
             gates = {n: mq.gates.detach().cpu().clone() for n, mq in run.mixed.items()}
-        # Repair and fill rank by the gate logits (temperature-free), not by probabilities at τ_end.
-        res = bake(run.plans, gates, run.budget, cfg.upgrades)
+        # Repair and fill rank by the gate logits (temperature-free), not by probabilities at τ_end;
+        # --method sensitivity ranks by its table from the knapsack's layout (methods.py).
+        if bake_with is None:
+            bake_with = (gates, None)
+        res = bake(run.plans, bake_with[0], run.budget, cfg.upgrades, start=bake_with[1])
         choices = [("gates", dict(res.choice))]
         polished = None
         if cfg.polish:
-            from .knapsack import polish
-
-            polished = polish(run.plans, run.sensitivity, res.choice, lower=run.budget.target_bytes * (1 - run.budget.tolerance),
-                              upper=run.budget.upper_bytes, upgrades=cfg.upgrades)
-            res.choice, res.total_bytes = polished.choice, polished.total_bytes
+            polished = polish_baked(run.plans, run.sensitivity, res, run.budget, cfg.upgrades)
             choices.append(("gates+polish", dict(polished.choice)))
         if run.tp is not None:
             from ..parallel import check_same_choice
