@@ -99,10 +99,32 @@ def make_budget(
             f"{what} asks for {total:,} bytes ({8 * total / nn:.3f} bpw) but the menus can only reach "
             f"{lo + f_bytes:,}–{hi + f_bytes:,} bytes{fix} ({8 * (lo + f_bytes) / nn:.3f}–{8 * (hi + f_bytes) / nn:.3f} bpw, "
             f"{(lo + f_bytes) / q:.3f}–{(hi + f_bytes) / q:.3f} of Q8_0)"
+            + (_cheaper_types_hint(plans, lo, q, f_bytes) if target < lo else "")
         )
     train_target = max(lo, int(round(target * (1.0 - budget_reduction))))
     per = tuple((k, base_type_for(sh), qt.tensor_bytes(base_type_for(sh), sh)) for k, sh in sorted(fixed.items()))
     return Budget(q8, lo, hi, n, target, train_target, tolerance, f_bytes, f_n, per)
+
+
+def cheapest_for_row(n_per_row: int) -> qt.QType:
+    """The fewest bytes per row any quantized type llama.cpp serves for rows of `n_per_row`."""
+    served = {qt.resolve_for_row(t, n_per_row) for t in qt.MENU_TYPES if not qt.get(t).is_float}
+    return min(served, key=lambda q: (q.row_bytes(n_per_row), q.name))
+
+
+def _cheaper_types_hint(plans: Sequence, lo: int, q8: int, f_bytes: int) -> str:
+    """Where types off the menus would reach lower: the floor over every type, and which types."""
+    floor, cheapest = 0, {}
+    for p in plans:
+        c = cheapest_for_row(p.n_per_row)
+        floor += min(c.row_bytes(p.n_per_row) * p.rows, min(p.sizes))
+        cheapest[p.n_per_row] = c
+    if floor >= lo:
+        return "; no llama.cpp type is cheaper for these tensors"
+    names = ", ".join(f"{n}-wide rows {c.name} ({c.bpw:g} bpw{', needs an imatrix' if c.needs_imatrix else ''})"
+                      for n, c in sorted(cheapest.items()))
+    return (f"; with every llama.cpp type the floor is {(floor + f_bytes) / q8:.3f} of Q8_0 "
+            f"(cheapest: {names})")
 
 
 def size_penalty(expected: torch.Tensor, target: float, tolerance: float, weight: float) -> torch.Tensor:
