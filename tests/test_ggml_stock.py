@@ -19,13 +19,15 @@ pytestmark = pytest.mark.slow
 
 # One llama-quantize run each. The imatrix ones include every type that needs one
 # (IQ2_S, IQ2_XXS, IQ1_S), and K/IQ types whose imatrix path differs from the plain one.
-PLAIN = ["Q8_0", "Q6_K", "Q5_K", "Q3_K", "IQ4_NL", "Q5_0", "Q4_0"]
+PLAIN = ["Q8_0", "Q6_K", "Q5_K", "Q3_K", "IQ4_NL", "Q5_0", "Q4_0", "MXFP4"]
 WITH_IMATRIX = ["Q4_K", "Q2_K", "IQ4_XS", "IQ3_S", "IQ2_S", "IQ2_XXS", "IQ1_S"]
 
 # llama-quantize takes a file type (llama_ftype), not a ggml type. Its IQ2_S file type writes
 # IQ2_XS tensors; the ggml IQ2_S type is the default of file type IQ2_M
-# (src/llama-quant.cpp llama_ftype_get_default_type). All other names here map to themselves.
-STOCK_FTYPE = {"IQ2_S": "IQ2_M"}
+# (src/llama-quant.cpp llama_ftype_get_default_type). MXFP4 is file type MXFP4_MOE's default,
+# which --pure writes on every tensor (without --pure only expert stacks get it; the 576-wide rows
+# of a dense model may take it from a voodoo menu). All other names here map to themselves.
+STOCK_FTYPE = {"IQ2_S": "IQ2_M", "MXFP4": "MXFP4_MOE"}
 
 
 def _run(cmd: list[str], cwd=None) -> None:
