@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -27,44 +26,30 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from search_transfer import paired  # noqa: E402
+from search_transfer import paired, rebuild_config, validation_args  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, required=True, help="a bench/quality.py directory")
+    validation_args(ap)
     ap.add_argument("--sizes", default="50,60,70,80,90,95")
     ap.add_argument("--work", type=Path, required=True, help="scratch directory for the rebuilt runs")
-    ap.add_argument("--val_start", type=int, default=2000, help="first training sequence of the validation split")
-    ap.add_argument("--val_sequences", type=int, default=64)
     ap.add_argument("--json", type=Path, default=None, help="write the per-size rows here")
     a = ap.parse_args()
     import torch
 
-    from voodoo_quant.cli.train import build_config
     from voodoo_quant.training.finalize import run_rungs
     from voodoo_quant.training.knapsack import greedy_layout, polish
     from voodoo_quant.training.methods import sensitivity_choice
     from voodoo_quant.training.objective import HeldAside
     from voodoo_quant.training.rungs import release, serve
     from voodoo_quant.training.setup import load_tokens
-    from voodoo_quant.hessian_store import FILE as HESSIANS_FILE
-    from voodoo_quant.training.sensitivity import TABLE_NAME
     from voodoo_quant.training.trainer import Trainer
 
-    settings = json.loads((a.out / "settings.json").read_text())
     out_rows = []
     for size in [int(s) for s in a.sizes.split(",")]:
-        work = a.work / f"s{size}"
-        work.mkdir(parents=True, exist_ok=True)
         src = a.out / "runs" / f"sensitivity_gptq{size}" / "seed0"
-        for f in (HESSIANS_FILE, TABLE_NAME):  # reused, not recomputed (train checks their keys)
-            if (src / f).is_file() and not (work / f).is_file():
-                shutil.copy(src / f, work / f)
-        cfg = build_config(model=str(a.out / "hf"), data_dir=str(a.out / "data"), imatrix=str(a.out / "imatrix.gguf"),
-                           compression_ratio=size / 100, seq_len=settings["seq_len"], max_steps=settings["steps"],
-                           candidate_types=tuple(settings["menu"]), seed=0, output_dir=str(work),
-                           output_name="kp.pt", error_compensation="gptq")
+        cfg = rebuild_config(a.out, size, 0, src, a.work / f"s{size}", "kp.pt")
         torch.set_grad_enabled(True)  # the Fisher table of a size not in the bench is computed here
         run = Trainer(cfg).prepare()
         torch.set_grad_enabled(False)

@@ -33,42 +33,54 @@ def paired(before, after) -> tuple[float, float]:
     return m, math.sqrt(var / len(d))
 
 
+def validation_args(ap: argparse.ArgumentParser) -> None:
+    """The flags every rebuild-and-validate bench shares."""
+    ap.add_argument("--out", type=Path, required=True, help="a bench/quality.py directory")
+    ap.add_argument("--val_start", type=int, default=2000, help="first training sequence of the validation split")
+    ap.add_argument("--val_sequences", type=int, default=64)
+
+
+def rebuild_config(out: Path, size: int, seed: int, src: Path, work: Path, output_name: str):
+    """The train config of a bench run at `size`, writing into `work`, with the run at `src`'s
+    Hessians and sensitivity table copied over (reused, not recomputed: train checks their keys)."""
+    from voodoo_quant.cli.train import build_config
+    from voodoo_quant.hessian_store import FILE as HESSIANS_FILE
+    from voodoo_quant.training.sensitivity import TABLE_NAME
+
+    settings = json.loads((out / "settings.json").read_text())
+    work.mkdir(parents=True, exist_ok=True)
+    for f in (HESSIANS_FILE, TABLE_NAME):
+        if (src / f).is_file() and not (work / f).is_file():
+            shutil.copy(src / f, work / f)
+    return build_config(model=str(out / "hf"), data_dir=str(out / "data"), imatrix=str(out / "imatrix.gguf"),
+                        compression_ratio=size / 100, seq_len=settings["seq_len"], max_steps=settings["steps"],
+                        candidate_types=tuple(settings["menu"]), seed=seed, output_dir=str(work),
+                        output_name=output_name, error_compensation="gptq")
+
+
 def short(name: str) -> str:
     return name.replace("model.", "").replace(".weight", "")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, required=True, help="a bench/quality.py directory")
+    validation_args(ap)
     ap.add_argument("--run", type=Path, required=True, help="a voodoo_gptq run of that bench (its search.json)")
     ap.add_argument("--size", type=int, required=True)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--work", type=Path, required=True, help="scratch output directory of the rebuilt run")
-    ap.add_argument("--val_start", type=int, default=2000, help="first training sequence of the validation split")
-    ap.add_argument("--val_sequences", type=int, default=64)
     ap.add_argument("--json", type=Path, default=None, help="write the per-move table here")
     a = ap.parse_args()
     import torch
 
-    from voodoo_quant.cli.train import build_config
     from voodoo_quant.training.finalize import run_rungs
     from voodoo_quant.training.guarantee import rung_bytes
     from voodoo_quant.training.objective import HeldAside
     from voodoo_quant.training.rungs import release, serve
     from voodoo_quant.training.setup import load_tokens
-    from voodoo_quant.hessian_store import FILE as HESSIANS_FILE
-    from voodoo_quant.training.sensitivity import TABLE_NAME
     from voodoo_quant.training.trainer import Trainer
 
-    settings = json.loads((a.out / "settings.json").read_text())
-    a.work.mkdir(parents=True, exist_ok=True)
-    for f in (HESSIANS_FILE, TABLE_NAME):  # reused, not recomputed (train checks their keys)
-        if (a.run / f).is_file() and not (a.work / f).is_file():
-            shutil.copy(a.run / f, a.work / f)
-    cfg = build_config(model=str(a.out / "hf"), data_dir=str(a.out / "data"), imatrix=str(a.out / "imatrix.gguf"),
-                       compression_ratio=a.size / 100, seq_len=settings["seq_len"], max_steps=settings["steps"],
-                       candidate_types=tuple(settings["menu"]), seed=a.seed, output_dir=str(a.work),
-                       output_name="transfer.pt", error_compensation="gptq")
+    cfg = rebuild_config(a.out, a.size, a.seed, a.run, a.work, "transfer.pt")
     trainer = Trainer(cfg)
     run = trainer.prepare()
     torch.set_grad_enabled(False)

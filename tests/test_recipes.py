@@ -18,7 +18,7 @@ import pytest
 
 from voodoo_quant import menus, paths
 from voodoo_quant import qtypes as qt
-from voodoo_quant import recipes
+from voodoo_quant import recipe_inputs, recipes
 from voodoo_quant.converter import convert
 
 # The ftypes of the brief, plus the other ones the tool accepts that the type table knows.
@@ -94,7 +94,7 @@ class _Model:
                str(self.imatrix), "-c", "128", "--chunks", "2", "-t", "2", "-ngl", "0"]
         p = subprocess.run(cmd, capture_output=True, text=True)
         assert p.returncode == 0 and self.imatrix.is_file(), p.stderr[-3000:]
-        self.tensors, self.params = recipes.gguf_inputs(self.gguf)
+        self.tensors, self.params = recipe_inputs.gguf_inputs(self.gguf)
 
     def quantize(self, out, ftype, *, imatrix: bool, extra=()):
         cmd = [str(paths.tool_path("llama-quantize")), *extra]
@@ -132,7 +132,7 @@ def recipe_models(tmp_path_factory, smollm2_tok_dir, shakespeare_text_file):
 
 
 def _written(path) -> dict[str, str]:
-    tensors, _ = recipes.gguf_inputs(path)
+    tensors, _ = recipe_inputs.gguf_inputs(path)
     path.unlink()
     return {t.name: t.type for t in tensors}
 
@@ -318,7 +318,7 @@ def test_stock_types_from_plans_equal_the_gguf_prediction(recipe_models, key):
     model = AutoModelForCausalLM.from_pretrained(m.hf)
     plans = plan_model(model, adapter_for(model.config), MenuConfig(("Q8_0",)),
                        layout_for=converter_layouts(str(m.hf)))
-    assert recipes.config_params(AutoConfig.from_pretrained(m.hf)) == m.params
+    assert recipe_inputs.config_params(AutoConfig.from_pretrained(m.hf)) == m.params
     quantizable = {t.name for t in m.tensors if recipes.allows_quantization(t.name, t.shape, m.params.arch)}
     assert {p.gguf_name for p in plans} == quantizable  # every tensor the tool quantizes is selectable
     for ftype in FTYPES:
@@ -326,7 +326,7 @@ def test_stock_types_from_plans_equal_the_gguf_prediction(recipe_models, key):
             ref = recipes.recipe(m.tensors, m.params, ftype, has_imatrix=has_im)
             if ref.needs_imatrix and not has_im:
                 with pytest.raises(recipes.RecipeError, match="without an imatrix"):
-                    recipes.stock_types(plans, model.config, ftype, has_im)
+                    recipe_inputs.stock_types(plans, model.config, ftype, has_im)
                 continue
-            got = recipes.stock_types(plans, model.config, ftype, has_im)
+            got = recipe_inputs.stock_types(plans, model.config, ftype, has_im)
             assert got == {p.name: ref.types[p.gguf_name] for p in plans}, (key, ftype, has_im)

@@ -70,11 +70,11 @@ def rung_bytes(plan, qtype: str) -> int:
 def stock_provider(plans: Sequence, config, has_imatrix: bool) -> Callable[[str], Mapping[str, str] | None]:
     """ftype -> {tensor: type} stock llama-quantize writes for this model (``recipes.py``), or
     None where the tool would refuse the ftype (it needs an imatrix the run lacks)."""
-    from .. import recipes
+    from .. import recipe_inputs, recipes
 
     def stock(ftype: str) -> Mapping[str, str] | None:
         try:
-            return recipes.stock_types(plans, config, ftype, has_imatrix=has_imatrix)
+            return recipe_inputs.stock_types(plans, config, ftype, has_imatrix=has_imatrix)
         except recipes.RecipeError:
             return None
     return stock
