@@ -190,7 +190,7 @@ def markdown(result: dict[str, Any]) -> str:
         f"- eval: stock `llama-perplexity --kl-divergence` vs the F32 teacher, held-out plays (never used to tune "
         f"or to search: the search measures on training sequences held aside), -c {s['ctx']}, {s['eval_chunks']} chunks; "
         "± = standard error of the mean KLD over chunks",
-        f"- Voodoo: `voodoo train` defaults (gates, guarantee, measured-KL search), {s['steps']} steps at seq_len "
+        f"- Voodoo: `voodoo train` defaults (gates and the guarantee; no search unless --train_args asks for one), {s['steps']} steps at seq_len "
         f"{s['seq_len']}, seeds {', '.join(map(str, seeds))} at sizes {', '.join(map(str, s.get('seed_sizes') or [])) or '—'} "
         f"(one seed elsewhere){'; extra flags `' + ' '.join(s.get('train_args') or []) + '`' if s.get('train_args') else ''}; "
         f"menu `{' '.join(s['menu'])}`",

@@ -132,9 +132,11 @@ def test_the_sensitivity_pass_is_planned_where_it_runs(gate_model_dir, tmp_path)
     assert lazy.host_total < one.host_total
     assert _sens(dry_run(parse_train_flags(base + ["--tensor_parallel", "2", "--no_warm_start", "--no_polish",
                                                    "--no_guarantee", "--search_evals", "0"]), world=2).memory) == []
-    # the search alone reads the table's curvature, under TP too
+    # the search alone (off by default) reads the table's curvature, under TP too
     assert _sens(dry_run(parse_train_flags(base + ["--tensor_parallel", "2", "--no_warm_start", "--no_polish",
-                                                   "--no_guarantee"]), world=2).memory)
+                                                   "--no_guarantee", "--search_evals", "8"]), world=2).memory)
+    assert _sens(dry_run(parse_train_flags(base + ["--tensor_parallel", "2", "--no_warm_start", "--no_polish",
+                                                   "--no_guarantee"]), world=2).memory) == []
     # the measured kind: the teacher log-probs and layer outputs HeldAside keeps (vocab 512, 4 x 64
     # tokens, 2 layers x 256 wide, float32), beside the loaded model
     (meas,) = _sens(_mem(base + ["--sensitivity_kind", "measured"]))
@@ -171,10 +173,16 @@ def test_reference_recipe_plans_from_a_config_alone():
     verdict = [ln for ln in out.splitlines() if "GB of 32 GB per device" in ln]
     assert len(verdict) == 1
     assert "DOES NOT FIT" not in verdict[0], out[-1500:]  # the recipe fits as written (default 1024-token loss chunks)
-    # the guarantee and the search after training: their own phase, under the training peak. A
-    # served --lazy rung is dequantized per use (one weight, the 317.8e6-weight LM head shard in
-    # bf16), not the whole 13.45 GB model per rank; the probe back-propagates one sequence
+    # the guarantee after training: its own phase, under the training peak. A served --lazy rung is
+    # dequantized per use (one weight, the 317.8e6-weight LM head shard in bf16), not the whole
+    # 13.45 GB model per rank; no search by default, so no probe
     (post,) = [ln for ln in out.splitlines() if "post-bake measurements" in ln]
+    assert " 0.00 GB" in post and "a served weight in use 0.64" in post and "probe" not in post, post
+    # with the search asked for, its probe back-propagates one sequence in the same phase
+    p = _cli("tp", "--nproc", "4", "--", *RECIPE, "--output_dir", "/nonexistent/out", "--dry_run", "--search_evals", "48",
+             env_extra={"VOODOO_DEVICE_MEMORY_GB": "32"})
+    assert p.returncode == 0, p.stderr[-2000:]
+    (post,) = [ln for ln in p.stdout.splitlines() if "post-bake measurements" in ln]
     assert " 0.00 GB" in post and "a served weight in use 0.64" in post and "probe (one sequence)" in post, post
     assert "torch.distributed.run" not in out  # nothing launched
 

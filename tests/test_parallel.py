@@ -317,9 +317,9 @@ def test_voodoo_tp_cli_runs_the_ranks_and_writes_the_single_process_assignment(t
 
 @pytest.mark.slow
 def test_voodoo_tp_cli_with_the_defaults_reports_the_guarantee_it_measured(tp_models, tmp_path):
-    """The recipe's path: `voodoo tp` with the guarantee and search at their defaults. Rank 0
-    prints the measured candidates and the search, rank 0 alone writes the search's journal, and
-    the assignment records the winner, which is the lowest measured KL."""
+    """The recipe's path: `voodoo tp` with the guarantee at its defaults (no search). Rank 0 prints
+    the measured candidates, and the assignment records the winner, which is the lowest measured
+    KL, and is its file: no search ran, so no journal of one is written."""
     import json
 
     d = tp_models["llama"]
@@ -331,14 +331,13 @@ def test_voodoo_tp_cli_with_the_defaults_reports_the_guarantee_it_measured(tp_mo
                         "--output_dir", str(tmp_path / "tp")], capture_output=True, text=True, env=env, timeout=900)
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     assert "never worse: measured on held-aside calibration sequences" in p.stdout
-    assert "search: " in p.stdout and "evaluation(s)" in p.stdout
+    assert "evaluation(s)" not in p.stdout
     g = json.loads((tmp_path / "tp" / "assignment.json").read_text())["meta"]["guarantee"]
     names = {c["name"] for c in g["candidates"]}
     assert {"gates", "gates+polish", "knapsack"} <= names
-    assert g["winner"] == min(g["candidates"], key=lambda c: (c["kl"], c["bytes"], c["name"]))["name"]
-    assert g["search"]["evals"] > 0 and g["final_kl"] == g["search"]["final_kl"] <= g["search"]["start_kl"]
-    journal = json.loads((tmp_path / "tp" / "search.json").read_text())
-    assert journal["evals"] == g["search"]["evals"]
+    best = min(g["candidates"], key=lambda c: (c["kl"], c["bytes"], c["name"]))
+    assert g["winner"] == best["name"] and g["search"] is None and g["final_kl"] == best["kl"]
+    assert not (tmp_path / "tp" / "search.json").exists()
 
 
 @pytest.mark.slow

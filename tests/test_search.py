@@ -431,14 +431,18 @@ def test_tensor_parallel_runs_measure_the_guarantee_and_search():
     """Under --tensor_parallel the guarantee and the search run as in one process (their table
     and curvature computed on rank 0); with neither, nor warm start and polish, no table is computed."""
     k = dict(model="m", data_dir="d", compression_ratio=0.6, warm_start=False, polish=False)
+    default = TrainConfig(**k)  # the guarantee only: no search unless asked for
+    assert default.measures and not default.searches and default.needs_sensitivity
+    k["search_evals"] = 8
     one = TrainConfig(**k)
     assert one.measures and one.searches and one.needs_sensitivity
     tp = TrainConfig(tensor_parallel=2, **k)
     assert tp.measures and tp.searches and tp.needs_sensitivity
     alone = TrainConfig(tensor_parallel=2, guarantee=False, **k)
     assert alone.measures and alone.searches and alone.needs_sensitivity  # the search alone
-    bare = TrainConfig(tensor_parallel=2, guarantee=False, search_evals=0, **k)
+    k["search_evals"] = 0
+    bare = TrainConfig(tensor_parallel=2, guarantee=False, **k)
     assert not bare.measures and not bare.needs_sensitivity
-    assert TrainConfig(tensor_parallel=2, guarantee=False, search_evals=0, **{**k, "warm_start": True}).needs_sensitivity
-    assert TrainConfig(tensor_parallel=2, guarantee=False, search_evals=0, relaxation_gap=True, **k).needs_sensitivity
-    assert not TrainConfig(guarantee=False, search_evals=0, **k).needs_sensitivity
+    assert TrainConfig(tensor_parallel=2, guarantee=False, **{**k, "warm_start": True}).needs_sensitivity
+    assert TrainConfig(tensor_parallel=2, guarantee=False, relaxation_gap=True, **k).needs_sensitivity
+    assert not TrainConfig(guarantee=False, **k).needs_sensitivity
