@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 class Outcome:
     types: dict[str, str]  # tensor -> the type written
     sizes: dict[str, int]  # tensor -> its bytes
-    winner: str  # the candidate the search started from
+    winner: str  # the best measured candidate: written as is, or the search's start
     candidates: list[Candidate] = field(default_factory=list)
     search: dict | None = None
 

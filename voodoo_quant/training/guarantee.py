@@ -1,4 +1,4 @@
-"""Never worse than the free alternatives: measure them, start from the best, then search.
+"""Never worse than the free alternatives: measure them and write the best (or search from it).
 
 Before anything is written, every assignment a user could have had for free at the same budget
 is measured on the held-aside calibration split (``objective.HeldAside``) beside the gates' own:
@@ -16,8 +16,9 @@ is measured on the held-aside calibration split (``objective.HeldAside``) beside
 - ``gates`` (and ``gates+polish``): the bake of the trained gates.
 
 "Fits" means at most the budget's upper bound, ``target × (1 + tolerance)``. The best measured
-one is where the final search (``search.local_search``) starts, so the written assignment is at
-least as good as every reference on that split, and the report says which won and by how much.
+one is written, or, under ``--search_evals N`` (off by default), is where the final search
+(``search.local_search``) starts; either way the written assignment is at least as good as every
+reference on that split, and the report says which won and by how much.
 Tensors pinned by ``--tensor_upgrades`` keep the bake's type in every candidate.
 
 The references' off-menu types (a recipe's Q6_K where the menu has none) need their candidates
