@@ -22,8 +22,10 @@ from search_transfer import rebuild_config  # noqa: E402
 
 
 def mean_se(xs) -> tuple[float, float]:
-    m = sum(xs) / len(xs)
-    return m, math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs))
+    """Mean and its standard error (the project's own :func:`~voodoo_quant.tools.evaluate.stderr`)."""
+    from voodoo_quant.tools.evaluate import stderr
+
+    return math.fsum(xs) / len(xs), stderr(xs)
 
 
 @dataclass
@@ -43,6 +45,8 @@ class FixedAssignment:
         from voodoo_quant.training.setup import imatrix_vectors, load_imatrix, load_tokens, plan_run
 
         self.out = out
+        # the bench's train config, for its model, data, imatrix and menu only: the size (80), seed
+        # and run directory are placeholders, since no budget is planned and nothing is written
         self.cfg = rebuild_config(out, 80, 0, Path("/nonexistent"), Path("/tmp/fixed_assignment"), "unused.pt")
         self.base, self.teacher = load_models(self.cfg, torch.float32)
         imx = load_imatrix(self.cfg)
