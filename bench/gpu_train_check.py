@@ -8,6 +8,11 @@ cross-entropy, backward into the weights), timed the same way. Prints one summar
 it as JSON. Used by bench/gpu_check.sh; runs on CPU too (``--device cpu``) for a smoke check.
 
     python bench/gpu_train_check.py MODEL_DIR DATA_DIR OUT --seq_len 2048 --steps 6 [--device cuda]
+        [--eager] [--dtype float32] [--compensation gptq|none|auto]
+
+Also makes its inputs: ``--make_tokens MODEL DATA N SEQ`` (random token ids),
+``--make_qwen35 DIR HIDDEN LAYERS VOCAB`` and ``--make_qwen2 DIR`` (random checkpoints shaped
+like the reference recipe's hybrid and like Qwen2.5-1.5B).
 """
 
 from __future__ import annotations
@@ -28,9 +33,11 @@ sys.path.insert(0, str(ROOT / "bench"))
 def train_flags(a) -> list[str]:
     out = ["--model", str(a.model), "--data_dir", str(a.data), "--output_dir", str(a.out / "run"),
            "--seq_len", str(a.seq_len), "--batch_size", "1", "--max_steps", str(a.steps), "--device", a.device,
-           "--dtype", a.dtype, "--lazy", "--gradient_checkpointing", "--compression_ratio", str(a.ratio),
+           "--dtype", a.dtype, "--gradient_checkpointing", "--compression_ratio", str(a.ratio),
            "--no_warm_start", "--no_polish", "--no_resume", "--partial_save_interval", str(a.steps),
-           "--candidate_types", *a.menu]
+           "--error_compensation", a.compensation, "--candidate_types", *a.menu]
+    if not a.eager:
+        out.append("--lazy")
     if a.imatrix:
         out += ["--imatrix", a.imatrix]
     return out
@@ -92,9 +99,31 @@ def make_qwen35(d: Path, hidden: int, layers: int, vocab: int) -> None:
     print(f"Qwen3.5-shaped: {n / 1e9:.2f}e9 parameters", flush=True)
 
 
+def make_qwen2(d: Path, seed: int = 0) -> None:
+    """A random checkpoint shaped like Qwen2.5-1.5B (hidden 1536, intermediate 8960, 28 layers,
+    12 query / 2 key-value heads, q/k/v biases, vocabulary 151,936, untied head), bf16, built on
+    the GPU when there is one (random init of 1.8e9 weights on the host is slow)."""
+    import torch
+    import transformers as T
+
+    cfg = T.Qwen2Config(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                        num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
+                        tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=1e6)
+    torch.manual_seed(seed)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(dev):
+        m = T.Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+    n = sum(p.numel() for p in m.parameters())
+    m.save_pretrained(d)
+    print(f"Qwen2.5-1.5B-shaped: {n / 1e9:.2f}e9 parameters", flush=True)
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--make_tokens":
         make_tokens(Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "--make_qwen2":
+        make_qwen2(Path(sys.argv[2]))
         return
     if len(sys.argv) > 1 and sys.argv[1] == "--make_qwen35":
         make_qwen35(Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
@@ -110,6 +139,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--ratio", type=float, default=0.45)
     ap.add_argument("--imatrix", default=None)
+    ap.add_argument("--eager", action="store_true", help="candidates dequantized once (default: --lazy)")
+    ap.add_argument("--compensation", default="auto", choices=["auto", "gptq", "none"])
     ap.add_argument("--menu", nargs="+", default=["Q8_0", "Q5_K", "Q4_K", "IQ4_XS", "Q3_K", "Q2_K"])
     ap.add_argument("--label", default=None)
     a = ap.parse_args()
@@ -131,11 +162,12 @@ def main() -> None:
     plain = plain_step(a)
     predicted = mem.device_total if a.device.startswith("cuda") else mem.cpu_peak
     res = {"label": a.label or a.model.name, "device": a.device, "dtype": a.dtype, "seq_len": a.seq_len,
+           "lazy": not a.eager, "compensation": a.compensation,
            "steps": len(log), "tokens_per_s": tok_s, "step_s": step_s, "plain_step_s": plain,
            "step_ratio": step_s / plain, "peak_memory": peak, "predicted_memory": predicted,
            "memory_error": (predicted - peak) / peak, "train_wall_s": wall}
     (a.out / "summary.json").write_text(json.dumps(res, indent=1))
-    print(f"[{res['label']}] {a.device} {a.dtype} seq {a.seq_len}: {tok_s:,.0f} tokens/s "
+    print(f"[{res['label']}] {a.device} {a.dtype} {'eager' if a.eager else 'lazy'} seq {a.seq_len}: {tok_s:,.0f} tokens/s "
           f"({step_s:.3f} s/step, plain forward+backward {plain:.3f} s: ratio {res['step_ratio']:.2f}); "
           f"peak memory {peak / 1e9:.2f} GB measured vs {predicted / 1e9:.2f} GB predicted "
           f"({res['memory_error']:+.1%}); train wall {wall:.0f} s", flush=True)

@@ -9,7 +9,7 @@ from voodoo_quant.arch.base import ArchAdapter, UnknownArchitectureError
 
 
 def test_shipped_adapters_registered():
-    assert {"llama", "qwen3", "qwen3_5", "qwen3_5_text", "lfm2"} <= set(known_adapters())
+    assert {"llama", "qwen2", "qwen3", "qwen3_5", "qwen3_5_text", "lfm2"} <= set(known_adapters())
 
 
 def test_duplicate_registration_refused():
@@ -29,6 +29,7 @@ def test_unknown_lists_known():
 @pytest.mark.parametrize("model_type,hf,gguf", [
     ("llama", "model.layers.3.self_attn.q_proj.weight", "blk.3.attn_q.weight"),
     ("qwen3", "model.layers.0.mlp.down_proj.weight", "blk.0.ffn_down.weight"),
+    ("qwen2", "model.layers.3.self_attn.k_proj.weight", "blk.3.attn_k.weight"),
     ("qwen3_5", "model.language_model.layers.2.linear_attn.out_proj.weight", "blk.2.ssm_out.weight"),
     ("qwen3_5_text", "model.layers.1.linear_attn.in_proj_qkv.weight", "blk.1.attn_qkv.weight"),
     ("qwen3_5", "model.language_model.embed_tokens.weight", "token_embd.weight"),

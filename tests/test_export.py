@@ -1,6 +1,6 @@
 """`voodoo export` per architecture, against the stock llama.cpp tools (tiny random models).
 
-For Llama, Qwen3, Qwen3.5 and LFM2: (1) the layout map reproduces the converter's F32 GGUF
+For Llama, Qwen2 (q/k/v biases, untied head, as Qwen2.5), Qwen3, Qwen3.5 and LFM2: (1) the layout map reproduces the converter's F32 GGUF
 tensor for tensor, both ways; (2) every exported tensor's bytes equal stock
 ``llama-quantize --tensor-type-file <ours> --imatrix <same>``; (3) the file runs in stock
 ``llama-perplexity`` and its PPL equals the torch PPL of the baked student within 0.5 %.
@@ -21,7 +21,7 @@ from voodoo_quant import qtypes as qt
 from voodoo_quant.assignment import Assignment, TensorChoice
 from voodoo_quant.layout import model_layouts
 
-ARCHS = ("llama", "qwen3", "qwen3_5", "lfm2")
+ARCHS = ("llama", "qwen2", "qwen3", "qwen3_5", "lfm2")
 # Cheap-to-initialize types (IQ2/IQ1 grids cost seconds per process), with and without imatrix.
 TYPES = ("Q4_K", "Q6_K", "IQ4_XS", "Q5_K", "Q3_K", "Q8_0", "Q2_K", "Q4_0")
 N_CTX = 128
@@ -38,6 +38,8 @@ def _build(arch: str, out, tok_dir):
     torch.manual_seed(0)
     if arch == "llama":
         m = T.LlamaForCausalLM(T.LlamaConfig(num_hidden_layers=2, head_dim=64, **common))
+    elif arch == "qwen2":
+        m = T.Qwen2ForCausalLM(T.Qwen2Config(num_hidden_layers=2, **{**common, "tie_word_embeddings": False}))
     elif arch == "qwen3":
         m = T.Qwen3ForCausalLM(T.Qwen3Config(num_hidden_layers=2, head_dim=64, **common))
     elif arch == "qwen3_5":

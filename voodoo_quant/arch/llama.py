@@ -1,4 +1,4 @@
-"""Plain decoders: the Llama family (SmolLM2 is one) and Qwen3.
+"""Plain decoders: the Llama family (SmolLM2 is one), Qwen2 (Qwen2.5, Qwen2.5-Coder) and Qwen3.
 
 llama.cpp's converter permutes Llama's q/k rows for its rope layout (conversion/llama.py
 ``LlamaModel.permute``); the exact map comes from :mod:`voodoo_quant.layout`, the names below
@@ -45,6 +45,18 @@ class LlamaAdapter(ArchAdapter):
 class Qwen3Adapter(ArchAdapter):
     name = "qwen3"
     model_types = ("qwen3",)
+    attention_segments = ("self_attn.",)
+    gguf_names = DECODER_GGUF_NAMES
+    shard_layer = decoder_shard_layer
+
+
+@register
+class Qwen2Adapter(ArchAdapter):
+    """Qwen2 / Qwen2.5: a Llama decoder with biases on q/k/v (sharded with their rows); the
+    converter writes them as ``blk.N.attn_{q,k,v}.bias`` and keeps them F32, as llama-quantize does."""
+
+    name = "qwen2"
+    model_types = ("qwen2",)
     attention_segments = ("self_attn.",)
     gguf_names = DECODER_GGUF_NAMES
     shard_layer = decoder_shard_layer
