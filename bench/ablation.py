@@ -1,4 +1,4 @@
-"""Training-mode ablation (issue 9): which options of ``voodoo train`` are worth what, measured.
+"""Training-mode ablation: which options of ``voodoo train`` are worth what, measured.
 
 Reuses the artifacts of ``bench/quality.py`` (``--base``: data split, de-gridded teacher, F32
 reference GGUF, stock imatrix, the teacher's eval log-probs) so every number here sits on the same

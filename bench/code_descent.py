@@ -22,7 +22,7 @@ arithmetic, as the packed-candidate tests check it.
 It prints each tensor's objective ratio and the validation KL (paired over sequences against the
 file, and as the excess ratio (KL − floor) / (file − floor) with stock Q8_0 as the floor).
 Writing such codes into a GGUF is not implemented: these are bytes libggml dequantizes, not bytes
-its quantizer writes (see WHITEPAPER §4.z "Stop 37").
+its quantizer writes (see docs/lab/2026-12-04-what-the-tensors-hold.md).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 The mixture ``W = Σ_k p_k W_k`` (forward) and its gate gradient ``<G, W_k>`` for every k (backward)
 each read the K float32 candidates once, so on the CPU they are bounded by memory bandwidth
-(``layers._Mix``; issue 18's step ratio). This bench times, on one synthetic (K, N) stack in one
+(``layers._Mix``; the training step's ratio to a plain step). This bench times, on one synthetic (K, N) stack in one
 run, interleaved and repeated (median):
 
 - ``sum``               a plain reduction over the stack: the read bandwidth ceiling;

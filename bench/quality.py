@@ -5,7 +5,7 @@ every step skips itself when its output exists (rerun the same command to resume
 
 1. ``voodoo data``: the plays, split by document (eval plays are never calibration text);
 2. ``voodoo make-teacher --degrid_seed 0 --dtype float32 --hf_out``: the de-gridded float teacher
-   (FACTS.md, trap 2: the raw model lies on a Q4_1 grid that flatters Q4_1/Q5_1/K rungs);
+   (docs/facts.md: the raw model lies on a Q4_1 grid that flatters Q4_1/Q5_1/K rungs);
 3. ``convert_hf_to_gguf.py --outtype f32``: the teacher as a GGUF, the KL reference and the
    source of every stock recipe;
 4. stock ``llama-imatrix`` on calibration text = the first train sequences, detokenized;

@@ -8,7 +8,7 @@ A row is a dict with at least ``name``, ``method`` ("stock", "uniform", "voodoo"
 llama-perplexity's running means) and ``kld_stderr`` (their standard error); both come from
 ``voodoo_quant.tools.evaluate`` (``chunk_klds``, ``parse_kld_report``).
 
-Comparisons (issue 15): every Voodoo size is the mean over its seeds (spread shown); its excess
+Comparisons: every Voodoo size is the mean over its seeds (spread shown); its excess
 KLD over the Q8_0 floor is divided by the excess of a reference *curve* at the same file size,
 linear in log KLD between the curve's two nearest points (no extrapolation): the stock Pareto
 frontier (target ≤ 0.5), the one-shot knapsack's curve (≤ 0.75) and the uniform files' frontier

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# bench/warm_start_ablation.sh: warm-start ablation of the two sensitivity kinds (issue 15 deliverable 4): held-aside KL of
+# bench/warm_start_ablation.sh: warm-start ablation of the two sensitivity kinds: held-aside KL of
 # the gates' bake, gates+polish and the guarantee's winner, per kind / size / seed.
 set -u
 cd "$(dirname "$0")/.."

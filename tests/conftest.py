@@ -42,7 +42,7 @@ def vendored_gguf_quants():
     return importlib.import_module(f"{name}.quants")
 
 
-# -- data / make-teacher / eval fixtures (issue 5) ---------------------------------------------
+# -- data / make-teacher / eval fixtures ------------------------------------------------------
 
 @pytest.fixture(scope="session")
 def smollm2_tok_dir(tmp_path_factory):
@@ -82,7 +82,7 @@ def tiny_llama_hf_dir(tmp_path_factory, smollm2_tok_dir):
                             intermediate=128, head_dim=16, dtype=torch.bfloat16)
 
 
-# -- imatrix / candidate cache fixtures (issue 3) ----------------------------------------------
+# -- imatrix / candidate cache fixtures -------------------------------------------------------
 
 @pytest.fixture(scope="session")
 def imatrix_llama256_hf_dir(tmp_path_factory, smollm2_tok_dir):
@@ -152,7 +152,7 @@ def shakespeare_text_file(tmp_path_factory):
     return out
 
 
-# -- gates / trainer fixtures (issues 3 and 4) ------------------------------------------------
+# -- gates / trainer fixtures -----------------------------------------------------------------
 
 @pytest.fixture(scope="session")
 def gate_model_dir(tmp_path_factory):

@@ -1,4 +1,4 @@
-"""The bake's repair and fill costs and the pins of --tensor_upgrades (issue 15)."""
+"""The bake's repair and fill costs and the pins of --tensor_upgrades."""
 
 from types import SimpleNamespace
 

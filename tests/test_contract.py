@@ -1,4 +1,4 @@
-"""The exactness contract end to end (issue 17): train a few steps, export, and check that
+"""The exactness contract end to end: train a few steps, export, and check that
 
 1. every selected tensor's bytes in the GGUF are the candidate-cache entry its training candidate
    was dequantized from, and equal stock ``llama-quantize --tensor-type-file`` with the same

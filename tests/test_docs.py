@@ -414,3 +414,79 @@ def test_markdown_only_fenced_shell_blocks(tmp_path):
     cmds = extract(f, "doc.md")
     assert [(c.line, c.argv) for c in cmds] == [(8, ["doctor", "--json"]), (9, ["doctor", "--jsn"])]
     assert check(cmds[0]) is None and "--jsn" in check(cmds[1])
+
+
+# -- the product speaks of itself --------------------------------------------------------------
+# The history lives in docs/lab/ by date and commit; the product (code, tests, docs, launchers)
+# cites neither the tracker's issue numbers nor the lab's old "stop N" entries, and the facts it
+# relies on are stated in docs/facts.md, not in a file outside the repository.
+
+HISTORY_REF = re.compile(r"\b(?:stop|issue)s?[ \t_#-]*\d", re.IGNORECASE)
+OUTSIDE_FACTS = re.compile(r"FACTS\.md")
+PRODUCT = ("README.md", "WHITEPAPER.md", "AGENTS.md", "Makefile", "pyproject.toml",
+           "voodoo_quant", "tests", "configs", "skills", "bench", "scripts", "docs")
+TEXT_SUFFIXES = {"", ".md", ".py", ".sh", ".toml", ".txt", ".cfg", ".json", ".yaml", ".yml", ".pin"}
+MD_LINK = re.compile(r"\]\(([^)\s#]+)(?:#[^)\s]*)?\)")
+
+
+def product_files(root: Path = ROOT) -> list[Path]:
+    files: list[Path] = []
+    for entry in PRODUCT:
+        p = root / entry
+        if p.is_file():
+            files.append(p)
+        elif p.is_dir():
+            files += [f for f in sorted(p.rglob("*")) if f.is_file() and f.suffix in TEXT_SUFFIXES
+                      and "__pycache__" not in f.parts and not f.name.startswith(".")]
+    return [f for f in files if f.resolve() != Path(__file__).resolve()]
+
+
+def citations(files: list[Path], pattern: re.Pattern, root: Path = ROOT) -> list[str]:
+    """`path:line: text` of every match of `pattern` in `files`."""
+    out = []
+    for f in files:
+        try:
+            text = f.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            continue
+        for no, line in enumerate(text.splitlines(), 1):
+            if pattern.search(line):
+                out.append(f"{f.relative_to(root)}:{no}: {line.strip()[:120]}")
+    return out
+
+
+def test_the_product_cites_no_issue_or_stop_numbers():
+    bad = citations(product_files(), HISTORY_REF)
+    assert not bad, ("issue/stop numbers in the product (speak of dates and commits in docs/lab/, "
+                     "of the thing itself elsewhere):\n" + "\n".join(bad))
+
+
+def test_the_product_cites_no_facts_file_outside_it():
+    bad = citations(product_files(), OUTSIDE_FACTS)
+    assert not bad, "FACTS.md is not part of the project; state the fact in docs/facts.md:\n" + "\n".join(bad)
+
+
+def broken_links(docs: list[Path], root: Path = ROOT) -> list[str]:
+    """`path: target` of every relative Markdown link whose target does not exist."""
+    return [f"{d.relative_to(root)}: {target}" for d in docs
+            for target in MD_LINK.findall(d.read_text(encoding="utf-8"))
+            if "://" not in target and not (d.parent / target).exists()]
+
+
+def test_markdown_links_resolve():
+    docs = [ROOT / "README.md", ROOT / "WHITEPAPER.md", ROOT / "AGENTS.md",
+            *sorted((ROOT / "docs").rglob("*.md")), *sorted((ROOT / "skills").glob("*.md"))]
+    bad = broken_links(docs)
+    assert not bad, "links to files that do not exist:\n" + "\n".join(bad)
+
+
+def test_citation_checks_find_what_they_must(tmp_path):
+    (tmp_path / "skills").mkdir()
+    (tmp_path / "skills" / "a.md").write_text(
+        "As Stop 36 found\nsee issue-15 and issues 3 and 4\nper ../shared/FACTS.md\n"
+        "stop the search when nothing improves\nthe issue's two knapsacks\n", encoding="utf-8")
+    files = product_files(tmp_path)
+    assert [c.split(":")[1] for c in citations(files, HISTORY_REF, tmp_path)] == ["1", "2"]
+    assert [c.split(":")[1] for c in citations(files, OUTSIDE_FACTS, tmp_path)] == ["3"]
+    (tmp_path / "skills" / "b.md").write_text("[ok](a.md), [gone](results/old.md#top), [web](https://x.org/y)\n")
+    assert broken_links([tmp_path / "skills" / "b.md"], tmp_path) == ["skills/b.md: results/old.md"]

@@ -20,7 +20,7 @@ from voodoo_quant.errors import QuantizationInputError
 from voodoo_quant.ggml import _row_spans
 
 ALL = list(qt.QTYPES)
-# gguf-py implements quantize_blocks for exactly these (gguf-py/gguf/quants.py, FACTS.md).
+# gguf-py implements quantize_blocks for exactly these (gguf-py/gguf/quants.py; docs/facts.md).
 GGUF_PY_QUANTIZES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "BF16", "MXFP4", "TQ1_0", "TQ2_0"]
 
 

@@ -1,4 +1,4 @@
-"""Chunked CE/KL equal the whole-logit losses and their gate gradients (issue 9)."""
+"""Chunked CE/KL equal the whole-logit losses and their gate gradients."""
 
 import json
 

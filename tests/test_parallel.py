@@ -1,4 +1,4 @@
-"""Scale-out (issue 6): shards, refusals, lazy shards, --device_map, and tensor parallelism on CPU
+"""Scale-out: shards, refusals, lazy shards, --device_map, and tensor parallelism on CPU
 with gloo: two torchrun ranks must reproduce the single-process loss, gate gradients and baked
 assignment for a tiny model of every adapter that shards."""
 

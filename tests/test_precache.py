@@ -11,7 +11,7 @@ from voodoo_quant.errors import ConfigError
 from voodoo_quant.precache import CandidateJob, QuantPool, build_all, job_cost
 
 # IQ3_S/IQ3_XXS make the workers initialize IQ grids in their initializer; IQ1/IQ2 types would
-# cost seconds of init per process (FACTS.md), too slow for CI.
+# cost seconds of init per process (docs/facts.md), too slow for CI.
 TYPES = ("Q8_0", "Q4_K", "Q6_K", "IQ3_S", "IQ3_XXS")
 
 

@@ -21,7 +21,7 @@ from voodoo_quant.quants import PackedTensor, dequantize, supported_types
 from voodoo_quant.quants import _registry, grids
 from voodoo_quant.quants.random_blocks import MODES, random_blocks
 
-# The default menus' types (issue 3) plus the optional ones; each must have a kernel.
+# The default menus' types plus the optional ones; each must have a kernel.
 REQUIRED = ("Q8_0", "Q6_K", "Q5_K", "Q4_K", "Q3_K", "Q2_K", "IQ4_XS", "IQ4_NL", "IQ3_S", "IQ2_S",
             "IQ2_XXS", "IQ1_S", "Q5_0", "Q5_1", "Q4_0", "Q4_1", "F16", "BF16", "F32", "IQ3_XXS",
             "IQ2_XS", "IQ1_M", "MXFP4")

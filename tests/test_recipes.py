@@ -238,7 +238,7 @@ def _rotations(m: _Model, types: list[str]) -> list[dict[str, str]]:
 @pytest.mark.slow
 @pytest.mark.parametrize("width", list(WIDTHS))
 def test_menu_resolution_matches_the_tool(recipe_models, tmp_path, width):
-    """Issue 17 item 3: each menu type at each row length, as export passes it (--tensor-type-file).
+    """Each menu type at each row length, as export passes it (--tensor-type-file).
     The first assignment (every type on the hidden-width rows) is written and read back at 640 and
     896; the others, and 576 (whose 1536-long rows take every IQ type, each costing seconds of grid
     setup per process), use the tool's dry-run report, shown equal to the written file above."""

@@ -1,4 +1,4 @@
-"""Per-token routing (PTQR) and straight-through Gumbel on a tiny random Llama (issue 9)."""
+"""Per-token routing (PTQR) and straight-through Gumbel on a tiny random Llama."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""The measured-KL final search and the never-worse guarantee (issue 15); the bake's costs are in test_bake_costs.py."""
+"""The measured-KL final search and the never-worse guarantee; the bake's costs are in test_bake_costs.py."""
 
 import pytest
 import torch
@@ -325,7 +325,7 @@ def test_margin_rejects_a_drop_that_the_sequences_disagree_on():
 
 def test_relaxation_gap_restores_the_one_hot_kl_the_mixture_hides(built):
     """KL(mixture) + gap predicts the mean KL of the one-hot files the mixture stands for; the
-    mixture alone is optimistic (issue 15: the gates drifted to cheap rungs by rewarding mixing)."""
+    mixture alone is optimistic (the gates drifted to cheap rungs by rewarding mixing)."""
     from voodoo_quant.training.relaxation import RelaxationGap
 
     tr, held = built

@@ -1,4 +1,4 @@
-"""Sensitivity table, greedy knapsack, warm start, --method sensitivity and --polish (issue 9)."""
+"""Sensitivity table, greedy knapsack, warm start, --method sensitivity and --polish."""
 
 import json
 import random

@@ -26,7 +26,7 @@ def _run(*args):
 
 def test_from_hf_dir_teacher_is_ggml_q8_0(tiny_llama_hf_dir, tmp_path, vendored_gguf_quants):
     """The teacher's packed blocks and values against an independent reference: gguf-py's numpy
-    Q8_0 (the vendored tree's; FACTS.md: its bytes equal libggml's), not the bridge that made them."""
+    Q8_0 (the vendored tree's; docs/facts.md: its bytes equal libggml's), not the bridge that made them."""
     import sys
 
     Q8_0 = sys.modules[vendored_gguf_quants.__package__ + ".constants"].GGMLQuantizationType.Q8_0

@@ -1,7 +1,7 @@
 """The on-disk candidate cache: quantized bytes per (tensor content, type, imatrix, libggml).
 
 Quantizing every selectable tensor to every type on its menu takes minutes to hours (IQ types
-are slow, see FACTS.md); the result depends only on the tensor's float32 content, the type, the
+are slow, see docs/facts.md); the result depends only on the tensor's float32 content, the type, the
 imatrix vector and the libggml version, so it is cached under a hash of exactly those.
 
 Layout: ``<root>/<k[:2]>/<k>/data.bin`` + ``meta.json``. ``data.bin`` is written first and

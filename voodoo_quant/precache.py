@@ -27,7 +27,7 @@ from . import qtypes as qt
 from .cache import CacheKey, CandidateCache, lib_version, matrix_hash
 from .errors import ConfigError, QuantizationInputError
 
-# Relative single-thread seconds per 4096×4096 matrix (FACTS.md "Quantizer speed"), used only to
+# Relative single-thread seconds per 4096×4096 matrix (docs/facts.md, quantizer speed), used only to
 # schedule the slowest jobs first and to weigh the progress bar; not a measurement of this run.
 _COST = {
     "Q8_0": 0.05, "Q6_K": 0.42, "Q5_K": 0.7, "Q4_K": 0.8, "Q3_K": 0.17, "Q2_K": 0.7,

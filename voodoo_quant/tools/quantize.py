@@ -61,7 +61,7 @@ class QuantizeConfig:
     eval_texts: list[str] = field(default_factory=list)
     glob: str = "*"
     # teacher
-    degrid_seed: int | None = None  # de-grid a model whose weights are a dequantized quant (FACTS.md)
+    degrid_seed: int | None = None  # de-grid a model whose weights are a dequantized quant (docs/facts.md)
     text_model_class: str | None = None
     # imatrix
     calib_sequences: int = 64

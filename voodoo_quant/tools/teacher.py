@@ -93,7 +93,7 @@ def grid_step(w, block: int = DEGRID_BLOCK):
 
 
 def degrid(name: str, w, seed: int):
-    """`w` (float32, 2-D) plus uniform noise in ±step/2 of its 32-weight block (FACTS.md trap 2).
+    """`w` (float32, 2-D) plus uniform noise in ±step/2 of its 32-weight block (docs/facts.md).
 
     A model whose float weights are a dequantized Q4_1 file lies on a grid that Q4_1/Q5_1
     reproduce exactly; the noise (as large as the original rounding) hides it. Deterministic:
@@ -181,7 +181,7 @@ def save_hf_dir(model, tokenizer, out: Path) -> Path:
     """save_pretrained into a temp dir beside `out`, then rename it into place (no partial dir).
 
     transformers 5 refuses to save a model loaded from GGUF unless its quantizer is dropped and
-    ``quantization_config`` removed from the config (FACTS.md).
+    ``quantization_config`` removed from the config (docs/facts.md).
     """
     out = Path(out)
     if out.exists():

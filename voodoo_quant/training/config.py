@@ -80,12 +80,12 @@ class TrainConfig:
     partial_save_interval: int = 10
     resume: bool = True
     dry_run: bool = False
-    # beyond the soft mixture (issue 9): see training/{routing,sensitivity,knapsack,losses}.py
+    # beyond the soft mixture: see training/{routing,sensitivity,knapsack,losses}.py
     method: str = "gates"  # "gates" (train) or "sensitivity" (greedy knapsack only, no training)
     ptqr: bool = False  # per-token routing: each token through one sampled candidate
     st_gumbel_fraction: float = 0.0  # last fraction of steps with straight-through Gumbel hardening
     st_gumbel_tau: float = 0.5
-    # Defaults from the method comparison at Voodoo65 on SmolLM2 (WHITEPAPER.md, ablations):
+    # Defaults from the method comparison at Voodoo65 on SmolLM2 (docs/lab/, 2026-11-30):
     # warm start + polish gave the lowest KLD of the five variants measured.
     warm_start: bool = True  # gates start concentrated on the sensitivity knapsack's layout
     warm_start_mass: float = 0.9  # probability of the layout's rung at step 0
@@ -99,10 +99,10 @@ class TrainConfig:
     log_file: str | None = None  # JSONL run log (default: <output_dir>/train_log.jsonl)
     finalize_from_partial: str | None = None  # redo only the bake from this journal
     resume_from_partial: str | None = None  # resume from this journal (default: <output_dir>/partial.pt)
-    # after the bake (issue 15): training/{guarantee,search,objective}.py
+    # after the bake: training/{guarantee,search,objective}.py
     search_sequences: int = 8  # training sequences held aside (the last N) to measure KL on
     # measured-KL evaluations of the final search; 0 (the default): none. Its kept moves fit the
-    # held-aside sequences they were chosen on and raised the KL on other text (WHITEPAPER §4.z, stop 36)
+    # held-aside sequences they were chosen on and raised the KL on other text (WHITEPAPER §4)
     search_evals: int = 0
     search_margin: float = 0.0  # keep a move only when its paired KL drop exceeds this many standard errors
     search_confirm: int = 0  # more sequences held aside: the search's result is written only if it beats its start there

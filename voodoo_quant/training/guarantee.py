@@ -12,7 +12,7 @@ is measured on the held-aside calibration split (``objective.HeldAside``) beside
   bound, and ``knapsack+polish``: the assignment ``--method sensitivity`` writes (the greedy layout
   at the training target, baked and polished: ``methods.sensitivity_choice``). Both minimize the
   same additive table, but they differ in tens of tensors, and on 64 validation sequences at
-  Voodoo60 the second had 6 % less KL (WHITEPAPER §4.z, stop 34), so both are measured;
+  Voodoo60 the second had 6 % less KL (docs/lab/2026-12-03-two-knapsacks.md), so both are measured;
 - ``gates`` (and ``gates+polish``): the bake of the trained gates.
 
 "Fits" means at most the budget's upper bound, ``target × (1 + tolerance)``. The best measured
