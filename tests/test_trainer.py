@@ -136,3 +136,52 @@ def test_journal_from_another_config_is_refused(gate_model_dir, tmp_path):
     # --no_resume starts over instead.
     res = Trainer(cfg_for(gate_model_dir, tmp_path / "a", max_steps=2, lr=0.1, resume=False)).train()
     assert res.resumed_from == 0
+
+
+def test_result_hash_counts_the_compensation_used_not_the_flag():
+    kw = dict(model="m", compression_ratio=0.5)
+    eager, lazy = TrainConfig(**kw), TrainConfig(**kw, lazy=True)
+    assert (eager.compensation, lazy.compensation) == ("gptq", "none")
+    assert eager.result_hash() != lazy.result_hash()  # --lazy switches auto's compensation off
+    # --lazy changes nothing else; auto and the value it resolves to are one result.
+    none = TrainConfig(**kw, error_compensation="none")
+    assert none.result_hash() == TrainConfig(**kw, error_compensation="none", lazy=True).result_hash()
+    assert lazy.result_hash() == none.result_hash()
+    assert TrainConfig(**kw, error_compensation="gptq").result_hash() == eager.result_hash()
+    # Without compensation its settings reach nothing; with it they do.
+    assert none.result_hash() == TrainConfig(**kw, error_compensation="none", compensation_damp=0.5).result_hash()
+    assert eager.result_hash() != TrainConfig(**kw, compensation_damp=0.5).result_hash()
+
+
+def test_resume_across_a_change_of_compensation_is_refused(gate_model_dir, tmp_path):
+    # --error_compensation auto: gptq on this eager run, none under --lazy. The journal's gates were
+    # trained on compensated candidates; the lazy run's candidates are plain ones.
+    first = Trainer(cfg_for(gate_model_dir, tmp_path / "a", max_steps=2))
+    first.train()
+    assert first.run.provenance["compensation"]["method"] == "gptq"
+    with pytest.raises(JournalMismatchError, match="error compensation gptq .*; this run's candidates have no error "
+                                                   "compensation .*--lazy"):
+        Trainer(cfg_for(gate_model_dir, tmp_path / "a", max_steps=2, lazy=True)).train()
+    with pytest.raises(JournalMismatchError, match="error compensation gptq"):
+        Trainer(cfg_for(gate_model_dir, tmp_path / "a", max_steps=2, error_compensation="none")).train()
+    with pytest.raises(JournalMismatchError, match="error compensation gptq"):
+        Trainer(cfg_for(gate_model_dir, tmp_path / "a", max_steps=2,
+                        finalize_from_partial=str(tmp_path / "a" / "partial.pt"), lazy=True)).train()
+    # The same compensation resumes (the journal is at the last step: nothing left to train).
+    assert Trainer(cfg_for(gate_model_dir, tmp_path / "a", max_steps=2)).train().resumed_from == 2
+
+
+def test_journal_refuses_gates_of_candidates_compensated_from_other_hessians(tmp_path):
+    from voodoo_quant.training import journal
+
+    p = tmp_path / "partial.pt"
+    rec = {"method": "gptq", "damp": 0.1, "key": "0123abcd", "hessians": "/x/hessians.safetensors"}
+    comp = journal.compensation_of(rec)
+    gates = {"w": torch.zeros(3)}
+    journal.save(p, journal.JournalState(1, gates, {}, torch.get_rng_state(), "h", {}, comp))
+    assert journal.load(p, expect_hash="h", expect_names={"w"}, expect_compensation=comp).compensation == comp
+    other = journal.compensation_of({**rec, "key": "ffff0000"})  # same flags, other weights or text
+    with pytest.raises(JournalMismatchError, match="Hessians of inputs 0123abcd.*Hessians of inputs ffff0000"):
+        journal.load(p, expect_hash="h", expect_names={"w"}, expect_compensation=other)
+    with pytest.raises(JournalMismatchError, match="no error compensation"):
+        journal.load(p, expect_hash="h", expect_names={"w"}, expect_compensation=journal.compensation_of(None))

@@ -261,7 +261,8 @@ class TrainConfig:
             raise ConfigError(f"unknown train config keys: {', '.join(sorted(unknown))}")
         return cls(**d)
 
-    # Fields that do not change the result: a run may resume with different values.
+    # Fields that do not change the result: a run may resume with different values. ``lazy`` does
+    # change the compensation that ``auto`` resolves to: result_hash counts the resolved one.
     _RESULT_NEUTRAL = ("output_dir", "output_name", "partial_save_interval", "resume", "dry_run",
                        "no_compile", "gradient_checkpointing", "device", "device_map", "lazy",
                        # exact reformulations and bake-only settings: a journal stays valid across them
@@ -274,6 +275,11 @@ class TrainConfig:
     OUTPUT_NEUTRAL = ("partial_save_interval", "resume", "dry_run", "no_compile", "loss_chunk_size", "log_file")
 
     def result_hash(self) -> str:
-        """Hash of the settings that determine the result (journal compatibility)."""
+        """Hash of the settings that determine the result (journal compatibility). The error
+        compensation counts as resolved: ``auto`` is gptq on an eager run and none under --lazy
+        or tensor parallelism, whose candidates differ though --lazy itself changes nothing."""
         d = {k: v for k, v in self.to_dict().items() if k not in self._RESULT_NEUTRAL}
+        d["error_compensation"] = self.compensation
+        if self.compensation == "none":  # their values reach nothing without compensation
+            del d["compensation_sequences"], d["compensation_damp"]
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]

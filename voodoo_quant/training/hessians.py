@@ -241,6 +241,6 @@ def ensure(cfg, base: nn.Module, plans: Sequence, tokens: torch.Tensor, *, weigh
         log.info("Hessians of %d tensors (%d stored) from %d sequences in %d pass(es) -> %s",
                  len(c.sizes) + len(c.shared), len(c.sizes), calib.shape[0], c.passes, path)
     hs = load_hessians(path, key=key)
-    record = {"method": cfg.compensation, "damp": float(cfg.compensation_damp),
+    record = {"method": cfg.compensation, "damp": float(cfg.compensation_damp), "key": key,
               "hessians": str(path.resolve()), "sha256": fileio.sha256_file(path), "tensors": len(hs)}
     return compensations(hs, cfg.compensation_damp), record

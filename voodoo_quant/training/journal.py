@@ -3,8 +3,10 @@ step log (``train_log.jsonl``, one :class:`StepMetrics` per line) that a resumed
 
 Written atomically every ``--partial_save_interval`` steps: gate logits, optimizer state, the
 torch RNG state, the step (which is also the data position: batch order is a pure function of
-the seed and the step) and the hash of the result-determining config. A journal written by a
-different config is refused, never silently mixed in.
+the seed and the step), the hash of the result-determining config, and the error compensation
+the candidates were built with (its method, damping and the key of the Hessians' inputs, which no
+flag holds: the same flags on other weights or other text give other Hessians). A journal written
+by a different config or on candidates of another compensation is refused, never silently mixed in.
 """
 
 from __future__ import annotations
@@ -35,6 +37,23 @@ class JournalState:
     rng: torch.Tensor
     config_hash: str
     config: dict[str, Any]
+    # what the candidates were compensated with (compensation_of); None in a journal written
+    # before the journal recorded it (then the config hash alone decides)
+    compensation: dict[str, Any] | None = None
+
+
+def compensation_of(record: dict[str, Any] | None) -> dict[str, Any]:
+    """The identity of a run's error compensation, from its provenance record
+    (``training/hessians.ensure``; None: no compensation): what a resume must find unchanged."""
+    if not record:
+        return {"method": "none"}
+    return {"method": str(record["method"]), "damp": float(record["damp"]), "hessians": str(record["key"])}
+
+
+def _describe(c: dict[str, Any]) -> str:
+    if c.get("method") == "none":
+        return "no error compensation"
+    return f"error compensation {c.get('method')} (damp {c.get('damp')}, Hessians of inputs {c.get('hessians')})"
 
 
 def to_cpu(obj: Any) -> Any:
@@ -71,14 +90,16 @@ def save(path: Path, state: JournalState) -> None:
             "rng": state.rng.cpu(),
             "config_hash": state.config_hash,
             "config_json": json.dumps(state.config, sort_keys=True),
+            "compensation_json": None if state.compensation is None else json.dumps(state.compensation, sort_keys=True),
         },
     )
 
 
-def load(path: Path, *, expect_hash: str, expect_names: set[str],
+def load(path: Path, *, expect_hash: str, expect_names: set[str], expect_compensation: dict[str, Any] | None = None,
          device: torch.device | str | None = None) -> JournalState:
     """The journal at `path` (read onto the CPU); with `device`, its gates and optimizer state
-    moved there (where the gates live)."""
+    moved there (where the gates live). `expect_compensation` (compensation_of) is this run's:
+    gates trained on candidates of another compensation are refused."""
     d = fileio.torch_load(path, what="journal")
     try:
         if d.get("journal_version") != JOURNAL_VERSION:
@@ -90,9 +111,24 @@ def load(path: Path, *, expect_hash: str, expect_names: set[str],
             rng=d["rng"],
             config_hash=str(d["config_hash"]),
             config=json.loads(d["config_json"]),
+            compensation=json.loads(d["compensation_json"]) if d.get("compensation_json") is not None else None,
         )
+        if state.compensation is not None and not isinstance(state.compensation, dict):
+            raise TypeError(f"compensation is a {type(state.compensation).__name__}")
     except (KeyError, TypeError, AttributeError, ValueError) as e:
         raise CorruptFileError(f"journal {path} is malformed: {type(e).__name__}: {e}") from None
+    if expect_compensation is not None and state.compensation is not None and state.compensation != expect_compensation:
+        hint = ""
+        if state.compensation.get("method") != expect_compensation.get("method"):
+            hint = (" (--error_compensation auto is gptq where the float model is read whole, none under --lazy "
+                    "or tensor parallelism)")
+        elif state.compensation.get("hessians") != expect_compensation.get("hessians"):
+            hint = " (the Hessians come from other inputs: other weights or other calibration text)"
+        raise JournalMismatchError(
+            f"journal {path} holds gates trained on candidates with {_describe(state.compensation)}; this run's "
+            f"candidates have {_describe(expect_compensation)}{hint}: rerun with the journal's compensation, "
+            "pass --no_resume to start over, or use another --output_dir"
+        )
     if state.config_hash != expect_hash:
         raise JournalMismatchError(
             f"journal {path} was written by a different configuration (hash {state.config_hash} != {expect_hash}); "

@@ -71,7 +71,8 @@ def finalize_from_partial(trainer, path: str):
     jpath = Path(path)
     if not jpath.exists():
         raise ConfigError(f"--finalize_from_partial: no journal at {jpath}")
-    st = journal.load(jpath, expect_hash=cfg.result_hash(), expect_names={p.name for p in run.plans})
+    st = journal.load(jpath, expect_hash=cfg.result_hash(), expect_names={p.name for p in run.plans},
+                      expect_compensation=journal.compensation_of(run.provenance.get("compensation")))
     tau = tau_at(max(0, st.step - 1), cfg.max_steps, cfg.tau_start, cfg.tau_end)
     gates = {n: g.detach().float().cpu() for n, g in st.gates.items()}
     probs = {n: torch.softmax(g / tau, dim=0) for n, g in gates.items()}

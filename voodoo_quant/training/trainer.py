@@ -125,7 +125,10 @@ class Trainer:
             from ..compensate import QuantInputs
             from . import hessians
 
-            comps, compensation = hessians.ensure(cfg, base, plans, self.run.tokens,
+            # the training split, also where a finalize holds nothing aside: the Hessians (and
+            # their key, which a resume checks) are those the trained candidates were built with
+            calib = hold_aside(tokens, cfg.search_sequences, cfg.search_confirm)[0] if cfg.method == "gates" else tokens
+            comps, compensation = hessians.ensure(cfg, base, plans, calib,
                                                   weights_sha256=self.run.provenance["weights_sha256"],
                                                   progress=self.progress)
             vectors = QuantInputs(vectors, comps)
@@ -211,11 +214,12 @@ class Trainer:
         start = 0
         jpath = out_dir / journal.JOURNAL_NAME
         names = set(run.mixed)
+        jcomp = journal.compensation_of(run.provenance.get("compensation"))  # what the candidates were built with
         src = Path(cfg.resume_from_partial) if cfg.resume_from_partial else jpath
         if cfg.resume_from_partial and not src.exists():
             raise ConfigError(f"--resume_from_partial: no journal at {src}")
         if src.exists() and (cfg.resume or cfg.resume_from_partial):
-            st = journal.load(src, expect_hash=cfg.result_hash(), expect_names=names)
+            st = journal.load(src, expect_hash=cfg.result_hash(), expect_names=names, expect_compensation=jcomp)
             with torch.no_grad():
                 for n, g in st.gates.items():
                     run.mixed[n].gates.copy_(g)
@@ -245,7 +249,7 @@ class Trainer:
                         jpath,
                         journal.JournalState(
                             done, {n: mq.gates for n, mq in run.mixed.items()}, opt.state_dict(),
-                            torch.get_rng_state(), cfg.result_hash(), cfg.to_dict(),
+                            torch.get_rng_state(), cfg.result_hash(), cfg.to_dict(), jcomp,
                         ),
                     )
         finally:
