@@ -73,3 +73,27 @@ def test_upgrades_move_rungs_and_clamp():
 def test_upgrades_bad_input_is_a_config_error(bad, msg):
     with pytest.raises(ConfigError, match=msg):
         parse_upgrades(bad)
+
+
+def test_menu_drops_are_one_line_per_type(caplog):
+    # Without an imatrix every tensor loses the same types: one warning per type with the count,
+    # not one per tensor.
+    import logging
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from voodoo_quant.arch import adapter_for
+    from voodoo_quant.student import plan_model
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=64)).eval()
+    with caplog.at_level(logging.WARNING, logger="voodoo_quant"):
+        plans = plan_model(model, adapter_for(model.config), MenuConfig(("Q8_0", "IQ3_S", "IQ2_XXS", "IQ1_S")))
+    assert len(plans) == 16  # 2 layers × 7 Linears, the embedding, the LM head
+    assert all(p.menu.types == ("IQ3_S", "Q8_0") for p in plans)
+    drops = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
+    assert len(drops) == 2, drops
+    for t, line in zip(("IQ2_XXS", "IQ1_S"), sorted(drops, key=lambda m: "IQ1_S" in m)):
+        assert line.startswith(f"dropped {t} from the menus of 16 tensor(s) that no imatrix covers"), line

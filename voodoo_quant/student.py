@@ -193,6 +193,7 @@ def plan_model(
     """The selectable tensors with their roles, GGUF layouts and menus."""
     covered = set(imatrix_names or ())
     plans: list[TensorPlan] = []
+    dropped: dict[str, list[str]] = {}  # type -> the tensors whose menus lost it (no imatrix covers them)
     for name, (w, mods) in selectable_weights(model).items():
         shape = tuple(int(s) for s in w.shape)
         layout = layout_for(name, shape) if layout_for else IdentityLayout(adapter.gguf_name(name), shape)
@@ -202,8 +203,8 @@ def plan_model(
         role = "attention" if adapter.is_attention(name) else "other"
         has_im = layout.gguf_name is not None and layout.gguf_name in covered
         menu = build_menu(menus.types_for(role), layout.n_per_row, has_im)
-        if menu.dropped_no_imatrix:
-            log.warning("%s: dropped %s from its menu (no imatrix covers it)", name, ", ".join(menu.dropped_no_imatrix))
+        for t in menu.dropped_no_imatrix:
+            dropped.setdefault(t, []).append(name)
         if not menu.types:
             raise ConfigError(
                 f"{name}: no candidate type is left on its menu (asked {', '.join(menu.requested)}; "
@@ -211,6 +212,9 @@ def plan_model(
             )
         sizes = tuple(qt.get(t).row_bytes(layout.n_per_row) * layout.rows for t in menu.types)
         plans.append(TensorPlan(name, shape, role, layout, menu, sizes, mods))
+    for t, names in dropped.items():  # one line per type, not one per tensor
+        log.warning("dropped %s from the menus of %d tensor(s) that no imatrix covers (%s%s); "
+                    "pass --imatrix to keep it", t, len(names), names[0], f" … {names[-1]}" if len(names) > 1 else "")
     if not plans:
         raise ConfigError("the model has no selectable tensors (2-D Linear or Embedding weights)")
     return plans
