@@ -2,9 +2,10 @@
 
 - Either spelling of a flag works: ``--size_weight`` and ``--size-weight`` both reach the option
   the command declares (the reference recipe spells flags in snake_case).
-- Space-separated lists after a list flag (``--candidate_types Q8_0 Q5_K IQ3_S``, as in the
-  reference recipe) are joined into one comma-separated value, since a Click option takes one
-  value per occurrence.
+- Space-separated lists: a list flag (an option declared as a list, which Click takes once per
+  occurrence) takes every value up to the next flag, ``--gguf a.gguf b.gguf`` as
+  ``--gguf a.gguf --gguf b.gguf`` (``--candidate_types Q8_0 Q5_K IQ3_S``, as in the reference
+  recipe). Which flags are lists is read from the command itself (:func:`declared_flags`).
 Everything after a bare ``--`` is left untouched (``voodoo tp --nproc 4 -- <train flags>``
 hands it to the train processes verbatim).
 """
@@ -13,8 +14,12 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
-LIST_FLAGS = frozenset({"candidate_types", "attention_candidates", "non_attention_candidates",
-                        "sizes", "stock", "text", "eval_text"})  # the last four: `voodoo quantize`
+
+class Flags(list):
+    """A command's declared long and short flags; ``lists`` holds the keys (snake_case, without
+    ``--``) of those that take several values."""
+
+    lists: frozenset[str] = frozenset()
 
 
 def _key(flag: str) -> str:
@@ -22,8 +27,9 @@ def _key(flag: str) -> str:
 
 
 def normalize(args: Sequence[str], known: Iterable[str]) -> list[str]:
-    """Rewrite `args` for a command whose declared long options are `known`."""
+    """Rewrite `args` for a command whose declared flags are `known` (:func:`declared_flags`)."""
     by_key = {_key(k): k for k in known if k.startswith("--")}
+    lists = getattr(known, "lists", frozenset())
     out: list[str] = []
     args = list(args)
     i = 0
@@ -38,21 +44,26 @@ def normalize(args: Sequence[str], known: Iterable[str]) -> list[str]:
             if declared is not None:
                 name = declared
                 a = name + eq + val
-            if declared is not None and _key(name) in LIST_FLAGS and not eq:
-                vals = []
+            if declared is not None and _key(name) in lists and not eq:
                 i += 1
+                if i == len(args) or args[i].startswith("-"):
+                    out.append(name)  # no value: Click says so
+                    continue
                 while i < len(args) and not args[i].startswith("-"):
-                    vals.append(args[i])
+                    out += [name, args[i]]
                     i += 1
-                out += [name, ",".join(vals)]
                 continue
         out.append(a)
         i += 1
     return out
 
 
-def declared_flags(cmd) -> list[str]:
-    flags: list[str] = []
+def declared_flags(cmd) -> Flags:
+    flags, lists = Flags(), set()
     for p in getattr(cmd, "params", []):
-        flags += list(getattr(p, "opts", [])) + list(getattr(p, "secondary_opts", []))
+        opts = list(getattr(p, "opts", [])) + list(getattr(p, "secondary_opts", []))
+        flags += opts
+        if getattr(p, "multiple", False) and not getattr(p, "is_flag", False):
+            lists.update(_key(o) for o in opts if o.startswith("--"))
+    flags.lists = frozenset(lists)
     return flags

@@ -34,7 +34,7 @@ def register(app: typer.Typer) -> None:
     @app.command("eval")
     @report_errors
     def _cmd(
-        gguf: List[Path] = typer.Option([], "--gguf", help="GGUF file to evaluate in llama-perplexity (repeatable)."),
+        gguf: List[Path] = typer.Option([], "--gguf", help="GGUF files to evaluate in llama-perplexity (space separated, or the flag repeated)."),
         reference: Optional[Path] = typer.Option(None, "--reference", help="GGUF whose logits are the KL base (e.g. the F16 teacher)."),
         text: Optional[Path] = typer.Option(None, "--text", help="Raw text file for llama-perplexity -f."),
         eval_tokens: Optional[Path] = typer.Option(None, "--eval_tokens", "--eval-tokens", help="eval_tokens.pt from `voodoo data`."),

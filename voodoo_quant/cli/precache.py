@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional
 
 import typer
 
@@ -16,9 +16,9 @@ def register(app: typer.Typer) -> None:
         model: str = typer.Option(..., "--model", help="HF checkpoint dir."),
         base_checkpoint: Optional[str] = typer.Option(None, "--base_checkpoint", help="Base .pt state dict replacing the checkpoint's weights."),
         text_model_class: Optional[str] = typer.Option(None, "--text_model_class", help="Text-only class of a multimodal wrapper."),
-        candidate_types: Optional[str] = typer.Option(None, "--candidate_types", help="Default menu (space or comma separated)."),
-        attention_candidates: Optional[str] = typer.Option(None, "--attention_candidates", help="Menu of the attention family."),
-        non_attention_candidates: Optional[str] = typer.Option(None, "--non_attention_candidates", help="Menu of every other tensor."),
+        candidate_types: Optional[List[str]] = typer.Option(None, "--candidate_types", help="Default menu (space or comma separated)."),
+        attention_candidates: Optional[List[str]] = typer.Option(None, "--attention_candidates", help="Menu of the attention family."),
+        non_attention_candidates: Optional[List[str]] = typer.Option(None, "--non_attention_candidates", help="Menu of every other tensor."),
         imatrix: Optional[str] = typer.Option(None, "--imatrix", help="llama.cpp imatrix (GGUF or legacy .dat)."),
         workers: Optional[int] = typer.Option(None, "--workers", help="Worker processes (default VOODOO_QUANT_WORKERS, else all cores)."),
         shard: Optional[str] = typer.Option(None, "--shard", help="i/n: build only part i of n (1-based) of the tensors, balanced by cost; n processes or hosts sharing one cache directory (VOODOO_CACHE_DIR) fill it together."),
@@ -26,8 +26,8 @@ def register(app: typer.Typer) -> None:
         """Build the candidate cache for a model and its menus ahead of training."""
         from ..tools.precache import PrecacheConfig, precache as run
 
-        cfg = PrecacheConfig(model, base_checkpoint, text_model_class, candidate_types, attention_candidates,
-                             non_attention_candidates, imatrix, workers, shard)
+        cfg = PrecacheConfig(model, base_checkpoint, text_model_class, candidate_types or None,
+                             attention_candidates or None, non_attention_candidates or None, imatrix, workers, shard)
         rep = run(cfg)
         part = f"shard {shard}: " if shard else ""
         console.print(

@@ -23,7 +23,7 @@ def _csv(v: Optional[List[str]]) -> list[str]:
 
 
 def _paths(v: Optional[List[str]]) -> list[str]:
-    """Paths of a list flag: cli/argv.py joins space-separated values with commas."""
+    """Paths of a list flag: its values, each of which may also hold several, comma separated."""
     return [p for item in (v or []) for p in str(item).split(",") if p]
 
 
@@ -59,15 +59,15 @@ def register(app: typer.Typer) -> None:
         calib_sequences: int = typer.Option(64, "--calib_sequences", help="Train sequences the imatrix is computed on."),
         steps: int = typer.Option(50, "--steps", help="Training steps per size.", rich_help_panel=T),
         batch_size: int = typer.Option(1, "--batch_size", help="Sequences per step.", rich_help_panel=T),
-        candidate_types: Optional[str] = typer.Option(None, "--candidate_types", help="Default menu (as `voodoo train`).", rich_help_panel=T),
-        attention_candidates: Optional[str] = typer.Option(None, "--attention_candidates", help="Menu of the attention family.", rich_help_panel=T),
-        non_attention_candidates: Optional[str] = typer.Option(None, "--non_attention_candidates", help="Menu of every other tensor.", rich_help_panel=T),
+        candidate_types: Optional[List[str]] = typer.Option(None, "--candidate_types", help="Default menu (as `voodoo train`).", rich_help_panel=T),
+        attention_candidates: Optional[List[str]] = typer.Option(None, "--attention_candidates", help="Menu of the attention family.", rich_help_panel=T),
+        non_attention_candidates: Optional[List[str]] = typer.Option(None, "--non_attention_candidates", help="Menu of every other tensor.", rich_help_panel=T),
         seed: int = typer.Option(0, "--seed", help="Seed of the data split and the batch order.", rich_help_panel=T),
         device: str = typer.Option("cpu", "--device", help="cpu, cuda or cuda:N.", rich_help_panel=T),
         dtype: str = typer.Option("float32", "--dtype", help="Training dtype.", rich_help_panel=T),
         lazy: bool = typer.Option(False, "--lazy", help="Keep candidates packed (less memory).", rich_help_panel=T),
         share_teacher_forward: bool = typer.Option(True, "--share_teacher_forward/--no_share_teacher_forward", help="Cache the teacher's hidden states per batch for the other sizes (exact).", rich_help_panel=T),
-        stock: Optional[str] = typer.Option(None, "--stock", help="Stock llama-quantize recipes to compare with (default: each size's badge; Q8_0 always).", rich_help_panel=E),
+        stock: Optional[List[str]] = typer.Option(None, "--stock", help="Stock llama-quantize recipes to compare with (default: each size's badge; Q8_0 always).", rich_help_panel=E),
         eval: bool = typer.Option(True, "--eval/--no_eval", help="Evaluate every file in stock llama-perplexity.", rich_help_panel=E),
         eval_ctx: int = typer.Option(512, "--eval_ctx", help="-c of llama-perplexity.", rich_help_panel=E),
         eval_chunks: int = typer.Option(20, "--eval_chunks", help="llama-perplexity chunks.", rich_help_panel=E),
@@ -89,11 +89,11 @@ def register(app: typer.Typer) -> None:
             model=model, texts=_paths(text), sizes=tuple(_csv(sizes)), output_dir=output_dir, model_name=model_name,
             seq_len=seq_len, eval_fraction=eval_fraction, eval_texts=_paths(eval_text), glob=glob, degrid_seed=degrid_seed,
             calib_sequences=calib_sequences, steps=steps, batch_size=batch_size,
-            candidate_types=tuple(_csv([candidate_types])) if candidate_types else None,
-            attention_candidates=tuple(_csv([attention_candidates])) if attention_candidates else None,
-            non_attention_candidates=tuple(_csv([non_attention_candidates])) if non_attention_candidates else None,
+            candidate_types=tuple(_csv(candidate_types)) or None,
+            attention_candidates=tuple(_csv(attention_candidates)) or None,
+            non_attention_candidates=tuple(_csv(non_attention_candidates)) or None,
             seed=seed, device=device, dtype=dtype, lazy=lazy, train_extra=train_extra(list(ctx.args)),
-            share_teacher_forward=share_teacher_forward, stock=tuple(_csv([stock])) if stock else None, eval=eval,
+            share_teacher_forward=share_teacher_forward, stock=tuple(_csv(stock)) or None, eval=eval,
             eval_ctx=eval_ctx, eval_chunks=eval_chunks, threads=threads, license=license, base_model=base_model,
         )
         result = run(cfg)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional
 
 import typer
 
@@ -22,8 +22,8 @@ F = "After the bake: guarantee and search"
 def build_config(**kw):
     from ..training.config import STOCK_REFERENCES, TrainConfig
 
-    refs = kw.get("stock_references")
-    kw["stock_references"] = STOCK_REFERENCES if refs is None else tuple(refs.replace(",", " ").split())
+    refs = kw.get("stock_references")  # a list flag (unset: None from Typer, () from Click's own parse)
+    kw["stock_references"] = STOCK_REFERENCES if not refs else tuple(" ".join(refs).replace(",", " ").split())
     return TrainConfig(**kw)
 
 
@@ -42,9 +42,9 @@ def register(app: typer.Typer) -> None:
         tensor_upgrades: Optional[str] = typer.Option(None, "--tensor_upgrades", help='JSON list of {"pattern": regex, "levels": ±n}: move matching tensors n rungs after the argmax.', rich_help_panel=B),
         size_weight: float = typer.Option(100.0, "--size_weight", help="Weight of the quadratic size penalty outside the dead zone.", rich_help_panel=B),
         size_tolerance: float = typer.Option(0.02, "--size_tolerance", help="Dead zone: no size penalty within ±this fraction of the target.", rich_help_panel=B),
-        candidate_types: Optional[str] = typer.Option(None, "--candidate_types", help="Default menu (space or comma separated): Q8_0 Q5_K IQ3_S IQ2_S IQ2_XXS IQ1_S.", rich_help_panel=M),
-        attention_candidates: Optional[str] = typer.Option(None, "--attention_candidates", help="Menu of the attention family (the adapter's attention_segments).", rich_help_panel=M),
-        non_attention_candidates: Optional[str] = typer.Option(None, "--non_attention_candidates", help="Menu of every other tensor.", rich_help_panel=M),
+        candidate_types: Optional[List[str]] = typer.Option(None, "--candidate_types", help="Default menu (space or comma separated): Q8_0 Q5_K IQ3_S IQ2_S IQ2_XXS IQ1_S.", rich_help_panel=M),
+        attention_candidates: Optional[List[str]] = typer.Option(None, "--attention_candidates", help="Menu of the attention family (the adapter's attention_segments).", rich_help_panel=M),
+        non_attention_candidates: Optional[List[str]] = typer.Option(None, "--non_attention_candidates", help="Menu of every other tensor.", rich_help_panel=M),
         imatrix: Optional[str] = typer.Option(None, "--imatrix", help="llama.cpp imatrix (GGUF or legacy .dat); required for IQ2_XXS/IQ2_XS/IQ1_S and others.", rich_help_panel=M),
         seq_len: int = typer.Option(512, "--seq_len", help="Tokens per sequence.", rich_help_panel=O),
         batch_size: int = typer.Option(1, "--batch_size", help="Sequences per step.", rich_help_panel=O),
@@ -92,7 +92,7 @@ def register(app: typer.Typer) -> None:
         error_compensation: str = typer.Option("auto", "--error_compensation", help="gptq: each tensor is handed to the same quantizer with every block's rounding error passed on to its later columns, from the layer inputs' Hessians on calibration text (stock llama-quantize writes the same types, not these bytes); none: every candidate quantizes the weights as they are (the bytes stock llama-quantize writes); auto: gptq, or none under --lazy or tensor parallelism.", rich_help_panel=X),
         compensation_sequences: int = typer.Option(32, "--compensation_sequences", help="Calibration sequences of the Hessians under --error_compensation gptq (first N of the training tokens).", rich_help_panel=X),
         compensation_damp: float = typer.Option(0.1, "--compensation_damp", help="Damping of the Hessians: H + λ·mean(diag H)·I.", rich_help_panel=X),
-        stock_references: Optional[str] = typer.Option(None, "--stock_references", help="llama-quantize ftypes the guarantee considers (default: all; the largest three that fit are measured).", rich_help_panel=F),
+        stock_references: Optional[List[str]] = typer.Option(None, "--stock_references", help="llama-quantize ftypes the guarantee considers (default: all; the largest three that fit are measured).", rich_help_panel=F),
     ) -> None:
         """Train the gates under the size budget, bake, and write the assignment."""
         from ..training.report import print_dry_run, print_result, progress_reporter
