@@ -52,3 +52,80 @@ def test_quantize_loaded_model_and_save_gguf(tiny_llama_hf_dir, shakespeare_text
     assert sum(nbytes[c.gguf_name] for c in q.assignment.tensors.values()) == q.assignment.total_bytes
     b = q.result.bake
     assert q.assignment.total_bytes <= q.assignment.target_bytes * 1.02 and b.total_bytes == q.assignment.total_bytes
+
+
+def test_model_dir_is_saved_whole_and_a_half_one_is_not_reused(tiny_llama_hf_dir, tmp_path):
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from voodoo_quant.modeling import hf_dir_missing
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_hf_dir, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(tiny_llama_hf_dir)
+    work = tmp_path / "work"
+    q = VoodooQuantizer(model, tok, VoodooConfig(calib_texts=["x"], workdir=str(work)))
+    hf = work / "model"
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def saved_whole():
+        assert hf_dir_missing(hf) == []
+        got = load_file(hf / "model.safetensors")
+        assert all(torch.equal(got[k], want[k]) for k in got) and len(got) >= len(want) - 1  # tied head: one copy
+        assert not list(work.glob(".model.*")), list(work.glob(".model.*"))  # no temporary left behind
+
+    # A run killed while saving (as save_pretrained into the final dir left it): config.json, the
+    # weights cut short, no tokenizer. It must be saved again, not taken for the model.
+    hf.mkdir(parents=True)
+    model.save_pretrained(tmp_path / "full")
+    shutil.copy(tmp_path / "full" / "config.json", hf)
+    full = (tmp_path / "full" / "model.safetensors").read_bytes()
+    (hf / "model.safetensors").write_bytes(full[: len(full) // 2])
+    (work / ".model.abcd.tmp").mkdir()  # the temporary of a save killed before its rename
+    assert set(hf_dir_missing(hf)) == {"tokenizer_config.json", "model.safetensors"}
+    assert q.model_dir() == hf
+    saved_whole()
+    # Only config.json (killed before the weights) is no model either.
+    shutil.rmtree(hf)
+    hf.mkdir()
+    shutil.copy(tmp_path / "full" / "config.json", hf)
+    q.model_dir()
+    saved_whole()
+    # A whole directory is reused as it is.
+    (hf / "marker").write_text("kept")
+    q.model_dir()
+    assert (hf / "marker").read_text() == "kept"
+
+
+def test_hf_dir_missing_names_a_missing_shard(tiny_llama_hf_dir, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from voodoo_quant.modeling import hf_dir_missing
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_hf_dir, dtype=torch.float32)
+    d = tmp_path / "sharded"
+    model.save_pretrained(d, max_shard_size="2MB")
+    AutoTokenizer.from_pretrained(tiny_llama_hf_dir).save_pretrained(d)
+    shards = sorted(p.name for p in d.glob("model-*.safetensors"))
+    assert len(shards) > 1 and hf_dir_missing(d) == []
+    (d / shards[-1]).unlink()
+    assert hf_dir_missing(d) == [shards[-1]]
+
+
+def test_write_dir_leaves_nothing_when_the_writer_fails(tmp_path):
+    from voodoo_quant import fileio
+
+    def fails(tmp):
+        (tmp / "config.json").write_text("{}")
+        raise KeyboardInterrupt  # as a Ctrl-C in the middle of save_pretrained
+
+    with pytest.raises(KeyboardInterrupt):
+        fileio.write_dir(tmp_path / "model", fails)
+    assert list(tmp_path.iterdir()) == []
+    fileio.write_dir(tmp_path / "model", lambda tmp: (tmp / "config.json").write_text("{}"))
+    assert (tmp_path / "model" / "config.json").read_text() == "{}"
+    with pytest.raises(fileio.OutputExistsError):
+        fileio.write_dir(tmp_path / "model", lambda tmp: None)

@@ -18,6 +18,7 @@ the training tokens (and, when the menu needs one, the imatrix), then train, the
 
 from __future__ import annotations
 
+import logging
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +27,8 @@ from typing import Any, Sequence
 from .errors import ConfigError
 from .menus import DEFAULT_CANDIDATES
 from .tools.quantize import QuantizeConfig, QuantizeResult, quantize  # noqa: F401  (the ladder: `voodoo quantize`)
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -85,16 +88,39 @@ class VoodooQuantizer:
         seqs = torch.tensor(ids[: n * self.config.seq_len], dtype=torch.int64).reshape(n, self.config.seq_len)
         return fileio.torch_save(out, seqs)
 
+    def model_dir(self) -> Path:
+        """The model and tokenizer as an HF checkpoint dir, ``<workdir>/model``: saved into a
+        temporary directory renamed into place, so a run killed while saving leaves none; reused
+        only when complete (a half directory, from a run of an older version killed midway, is
+        saved again)."""
+        import shutil
+
+        from . import fileio
+        from .modeling import hf_dir_missing
+
+        hf = self.workdir / "model"
+        if hf.exists():
+            missing = hf_dir_missing(hf)
+            if not missing:
+                return hf
+            log.warning("%s is incomplete (missing or cut short: %s): saving the model again", hf, ", ".join(missing))
+            shutil.rmtree(hf)
+        for stale in self.workdir.glob(f".{hf.name}.*{fileio.TMP_SUFFIX}"):  # left by a killed save
+            shutil.rmtree(stale, ignore_errors=True)
+
+        def write(tmp: Path) -> None:
+            self.model.save_pretrained(tmp)
+            self.tokenizer.save_pretrained(tmp)
+
+        return fileio.write_dir(hf, write)
+
     def quantize(self) -> "QuantizedModel":
         from .tools.calibrate import ImatrixConfig, compute
         from .training.config import TrainConfig
         from .training.trainer import Trainer
 
         cfg = self.config
-        hf = self.workdir / "model"
-        if not (hf / "config.json").is_file():
-            self.model.save_pretrained(hf)
-            self.tokenizer.save_pretrained(hf)
+        hf = self.model_dir()
         data = self.workdir / "data"
         tokens = self._tokens(data / "train_tokens.pt")
         imatrix = cfg.imatrix

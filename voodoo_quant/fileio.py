@@ -130,6 +130,26 @@ def write_with(target: str | os.PathLike, writer: Callable[[Path], None], *, ove
     return Path(target)
 
 
+def write_dir(target: str | os.PathLike, writer: Callable[[Path], None]) -> Path:
+    """Atomic directory: `writer` fills a temporary directory beside `target`
+    (``.<name>.XXXX.tmp``), which is renamed to `target` once it returns. A killed or failed
+    write leaves no `target`, only a temporary that nothing takes for it. `target` must not exist."""
+    target = Path(target)
+    if target.exists():
+        raise OutputExistsError(f"{target} exists; remove it or choose another path")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=TMP_SUFFIX, dir=target.parent))
+    try:
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp creates 0700; the mode an ordinary mkdir gives
+        writer(tmp)
+        faults.hit("write:" + target.name)  # tests: killed with the directory written, not yet renamed
+        os.rename(tmp, target)  # atomic; fails rather than merge if `target` appeared meanwhile
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
 def copy_file(source: str | os.PathLike, target: str | os.PathLike, *, overwrite: bool = True) -> Path:
     """Copy `source` to `target` atomically, streamed (never whole in memory)."""
     return write_with(target, lambda tmp: shutil.copyfile(source, tmp), overwrite=overwrite)

@@ -186,6 +186,47 @@ def source_identity(source: str | os.PathLike) -> SourceIdentity:
     return SourceIdentity(str(source), "hub", "")
 
 
+def hf_dir_missing(d: str | os.PathLike) -> list[str]:
+    """What an HF checkpoint dir written by ``save_pretrained`` (model, then tokenizer) lacks:
+    ``config.json``, the tokenizer's config, the weights (every shard its index names), or a
+    weights file cut short (a safetensors file whose size is not what its header says). Empty
+    when complete. A directory saved by a run killed midway has ``config.json`` (written first)
+    but not the rest."""
+    d = Path(d)
+    missing: list[str] = []
+    for name in ("config.json", "tokenizer_config.json"):
+        try:
+            json.loads((d / name).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            missing.append(name)
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return missing + [index.name]
+    elif (d / "model.safetensors").is_file() or not (d / "pytorch_model.bin").is_file():
+        shards = ["model.safetensors"]
+    else:
+        shards = []  # a legacy pickle: its presence is all that is checked
+    missing += [s for s in shards if not _safetensors_whole(d / s)]
+    return missing
+
+
+def _safetensors_whole(p: Path) -> bool:
+    """Whether `p` is a safetensors file as long as its header says (8-byte header length, JSON
+    header, then the data up to the largest end offset)."""
+    try:
+        with open(p, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n))
+        size = p.stat().st_size
+        ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
+    except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError):
+        return False
+    return size == 8 + n + max(ends, default=0)
+
+
 # -- a text model's weights from an HF dir, one tensor at a time (make-teacher, load_model) -----
 
 def _safetensors_files(d: Path) -> list[Path]:
