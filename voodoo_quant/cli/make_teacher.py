@@ -33,8 +33,12 @@ def register(app: typer.Typer) -> None:
         degrid_seed: Optional[int] = typer.Option(
             None, "--degrid_seed", "--degrid-seed",
             help="Add seeded uniform noise of ± half the grid step (smallest gap between the distinct values "
-                 "of each 32-weight block) to every 2-D weight first: for models whose float weights are a "
+                 "of each --degrid_block-weight block) to every 2-D weight first: for models whose float weights are a "
                  "dequantized quantized file (e.g. the embedded SmolLM2 Q4_1). Deterministic per seed."),
+        degrid_block: int = typer.Option(
+            32, "--degrid_block", "--degrid-block",
+            help="Weights per block whose grid step sizes the noise: 32, or 16 for a file holding types with "
+                 "16-weight sub-blocks (Q6_K, Q3_K, Q2_K), whose grids a 32-weight block would mix."),
         hf_out: Optional[Path] = typer.Option(None, "--hf_out", "--hf-out",
                                               help="Also save the (de-gridded) float32 model as an HF checkpoint dir."),
     ) -> None:
@@ -43,7 +47,7 @@ def register(app: typer.Typer) -> None:
 
         cfg = MakeTeacherConfig(model=model, output_dir=output_dir, base_name=base_name, teacher_name=teacher_name,
                                 strip_prefix=strip_prefix, text_model_class=text_model_class, dtype=dtype.value,
-                                degrid_seed=degrid_seed, hf_out=hf_out)
+                                degrid_seed=degrid_seed, degrid_block=degrid_block, hf_out=hf_out)
         r = make_teacher(cfg)
         console.print(f"base ({cfg.dtype}): {r.base_path}")
         console.print(f"teacher (Q8_0 on {r.q8_tensors} of {r.tensors} tensors): {r.teacher_path}")

@@ -36,6 +36,10 @@ from ..errors import ConfigError
 
 _DTYPES = ("bfloat16", "float32")
 DEGRID_BLOCK = 32
+# 16 for a file with 16-weight sub-blocks of their own scale (Q6_K, Q3_K, Q2_K in
+# ggml-quants.c): a 32-weight block then mixes two grids, and its smallest gap between distinct
+# values is a gap across the two grids, far below either step, so 32 leaves them in place.
+DEGRID_BLOCKS = (16, 32)
 
 
 @dataclass
@@ -48,6 +52,7 @@ class MakeTeacherConfig:
     text_model_class: str | None = None  # model_type or transformers class of the text model
     dtype: str = "bfloat16"  # of the base checkpoint
     degrid_seed: int | None = None
+    degrid_block: int = DEGRID_BLOCK  # weights per block whose grid step sizes the noise (see degrid)
     hf_out: Path | None = None  # also save the (de-gridded) float model as an HF dir
     progress: bool = True
 
@@ -62,6 +67,8 @@ class MakeTeacherConfig:
             raise ConfigError(f"--dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
         if self.degrid_seed is not None and self.degrid_seed < 0:
             raise ConfigError(f"--degrid_seed must be >= 0, got {self.degrid_seed}")
+        if self.degrid_block not in DEGRID_BLOCKS:
+            raise ConfigError(f"--degrid_block must be one of {', '.join(map(str, DEGRID_BLOCKS))}, got {self.degrid_block}")
         if is_gguf(p) and self.strip_prefix:
             raise ConfigError("--strip_prefix applies to HF checkpoints, not GGUF files")
         stem = re.sub(r"[^a-z0-9]+", "_", (p.stem if is_gguf(p) else p.resolve().name).lower()).strip("_")
@@ -92,21 +99,22 @@ def grid_step(w, block: int = DEGRID_BLOCK):
     return torch.where(torch.isinf(step), torch.zeros_like(step), step)
 
 
-def degrid(name: str, w, seed: int):
-    """`w` (float32, 2-D) plus uniform noise in ±step/2 of its 32-weight block (docs/facts.md).
+def degrid(name: str, w, seed: int, block: int = DEGRID_BLOCK):
+    """`w` (float32, 2-D) plus uniform noise in ±step/2 of its `block`-weight block (docs/facts.md).
 
     A model whose float weights are a dequantized Q4_1 file lies on a grid that Q4_1/Q5_1
     reproduce exactly; the noise (as large as the original rounding) hides it. Deterministic:
     the generator is seeded from (seed, tensor name), independent of tensor order. Tensors that
-    are not 2-D or whose rows are not a multiple of 32 are returned unchanged.
+    are not 2-D or whose rows are not a multiple of `block` are returned unchanged. A file whose
+    types have 16-weight sub-blocks (Q6_K, Q3_K, Q2_K) needs ``block=16`` (see DEGRID_BLOCKS).
     """
     import torch
 
-    if w.ndim != 2 or w.shape[1] % DEGRID_BLOCK:
+    if w.ndim != 2 or w.shape[1] % block:
         return w
     digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
     gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
-    step = grid_step(w).repeat_interleave(DEGRID_BLOCK, dim=1)
+    step = grid_step(w, block).repeat_interleave(block, dim=1)
     u = torch.rand(w.shape, generator=gen, dtype=torch.float32)
     return w + (u - 0.5) * step
 
@@ -143,7 +151,7 @@ def make_teacher(cfg: MakeTeacherConfig) -> TeacherResult:
         task = bar.add_task("teacher (Q8_0)", total=total)
         for name, w in tensors:
             if cfg.degrid_seed is not None:
-                w = degrid(name, w, cfg.degrid_seed)
+                w = degrid(name, w, cfg.degrid_seed, cfg.degrid_block)
             base_sd[name] = w.to(base_dtype).contiguous()
             teacher[name] = teacher_entry(name, w)
             if cfg.hf_out is not None:
@@ -157,6 +165,7 @@ def make_teacher(cfg: MakeTeacherConfig) -> TeacherResult:
         "strip_prefix": cfg.strip_prefix,
         "text_model_class": cfg.text_model_class,
         "degrid_seed": cfg.degrid_seed,
+        "degrid_block": cfg.degrid_block if cfg.degrid_seed is not None else None,
     }
     base_path = fileio.torch_save(cfg.output_dir / cfg.base_name,
                                   {"format": BASE_FORMAT, **header, "dtype": cfg.dtype, "state_dict": base_sd})
