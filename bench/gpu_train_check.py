@@ -38,6 +38,8 @@ def train_flags(a) -> list[str]:
            "--error_compensation", a.compensation, "--candidate_types", *a.menu]
     if not a.eager:
         out.append("--lazy")
+    if a.no_guarantee:
+        out.append("--no_guarantee")
     if a.imatrix:
         out += ["--imatrix", a.imatrix]
     return out
@@ -99,15 +101,15 @@ def make_qwen35(d: Path, hidden: int, layers: int, vocab: int) -> None:
     print(f"Qwen3.5-shaped: {n / 1e9:.2f}e9 parameters", flush=True)
 
 
-def make_qwen2(d: Path, seed: int = 0) -> None:
+def make_qwen2(d: Path, hidden: int = 1536, intermediate: int = 8960, layers: int = 28, seed: int = 0) -> None:
     """A random checkpoint shaped like Qwen2.5-1.5B (hidden 1536, intermediate 8960, 28 layers,
     12 query / 2 key-value heads, q/k/v biases, vocabulary 151,936, untied head), bf16, built on
     the GPU when there is one (random init of 1.8e9 weights on the host is slow)."""
     import torch
     import transformers as T
 
-    cfg = T.Qwen2Config(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                        num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
+    cfg = T.Qwen2Config(vocab_size=151936, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                        num_attention_heads=hidden // 128, num_key_value_heads=2, max_position_embeddings=32768,
                         tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=1e6)
     torch.manual_seed(seed)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -115,7 +117,7 @@ def make_qwen2(d: Path, seed: int = 0) -> None:
         m = T.Qwen2ForCausalLM(cfg).to(torch.bfloat16)
     n = sum(p.numel() for p in m.parameters())
     m.save_pretrained(d)
-    print(f"Qwen2.5-1.5B-shaped: {n / 1e9:.2f}e9 parameters", flush=True)
+    print(f"Qwen2-shaped ({hidden}/{intermediate}/{layers}): {n / 1e9:.2f}e9 parameters", flush=True)
 
 
 def main() -> None:
@@ -123,7 +125,7 @@ def main() -> None:
         make_tokens(Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
         return
     if len(sys.argv) > 1 and sys.argv[1] == "--make_qwen2":
-        make_qwen2(Path(sys.argv[2]))
+        make_qwen2(Path(sys.argv[2]), *map(int, sys.argv[3:6]))
         return
     if len(sys.argv) > 1 and sys.argv[1] == "--make_qwen35":
         make_qwen35(Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
@@ -141,6 +143,7 @@ def main() -> None:
     ap.add_argument("--imatrix", default=None)
     ap.add_argument("--eager", action="store_true", help="candidates dequantized once (default: --lazy)")
     ap.add_argument("--compensation", default="auto", choices=["auto", "gptq", "none"])
+    ap.add_argument("--no_guarantee", action="store_true", help="leave out the references measured after the bake")
     ap.add_argument("--menu", nargs="+", default=["Q8_0", "Q5_K", "Q4_K", "IQ4_XS", "Q3_K", "Q2_K"])
     ap.add_argument("--label", default=None)
     a = ap.parse_args()
