@@ -118,3 +118,35 @@ def test_from_gguf_file_with_degrid_and_hf_out(tiny_llama_f32_gguf, tiny_llama_h
     assert dh["degrid_seed"] == 3
     k = "model.layers.0.mlp.down_proj.weight"
     assert torch.equal(hf[k], degrid(k, src[k].float(), 3)) and not torch.equal(hf[k], src[k].float())
+
+
+def test_the_degrid_block_follows_the_source_gguf_types(tmp_path, ggml_lib):
+    """A GGUF holding a type with 16-weight scales (a Q4_K_M file's Q6_K tensors) is de-gridded
+    by 16; one of 32-block types only (the embedded SmolLM2's Q4_1) and an HF dir by 32."""
+    import numpy as np
+
+    from voodoo_quant import converter
+    from voodoo_quant import qtypes as qt
+    from voodoo_quant.tools.teacher import MakeTeacherConfig, degrid_block_for
+
+    gguf = converter.vendored_gguf()
+    rng = np.random.default_rng(0)
+
+    def write(path, qtype):
+        w = gguf.GGUFWriter(path, "llama")
+        m = rng.standard_normal((2, 256)).astype(np.float32)
+        data = np.frombuffer(ggml_lib.quantize(m, qtype), dtype=np.uint8)
+        w.add_tensor("blk.0.ffn_down.weight", data.reshape(2, -1), raw_shape=data.reshape(2, -1).shape,
+                     raw_dtype=gguf.GGMLQuantizationType(qt.get(qtype).id))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return path
+
+    assert degrid_block_for(write(tmp_path / "k.gguf", "Q6_K")) == 16
+    assert degrid_block_for(write(tmp_path / "l.gguf", "Q4_1")) == 32
+    assert degrid_block_for(tmp_path) == 32
+    k = tmp_path / "k.gguf"
+    assert MakeTeacherConfig(model=str(k), output_dir=tmp_path / "o", degrid_seed=0).degrid_block == 16
+    assert MakeTeacherConfig(model=str(k), output_dir=tmp_path / "o", degrid_seed=0, degrid_block=32).degrid_block == 32

@@ -35,10 +35,11 @@ def register(app: typer.Typer) -> None:
             help="Add seeded uniform noise of ± half the grid step (smallest gap between the distinct values "
                  "of each --degrid_block-weight block) to every 2-D weight first: for models whose float weights are a "
                  "dequantized quantized file (e.g. the embedded SmolLM2 Q4_1). Deterministic per seed."),
-        degrid_block: int = typer.Option(
-            32, "--degrid_block", "--degrid-block",
+        degrid_block: Optional[int] = typer.Option(
+            None, "--degrid_block", "--degrid-block",
             help="Weights per block whose grid step sizes the noise: 32, or 16 for a file holding types with "
-                 "16-weight sub-blocks (Q6_K, Q3_K, Q2_K), whose grids a 32-weight block would mix."),
+                 "16-weight sub-blocks (Q6_K, Q3_K, Q2_K), whose grids a 32-weight block would mix. Default: "
+                 "16 for a GGUF holding such types, else 32."),
         hf_out: Optional[Path] = typer.Option(None, "--hf_out", "--hf-out",
                                               help="Also save the (de-gridded) float32 model as an HF checkpoint dir."),
     ) -> None:

@@ -40,6 +40,20 @@ DEGRID_BLOCK = 32
 # ggml-quants.c): a 32-weight block then mixes two grids, and its smallest gap between distinct
 # values is a gap across the two grids, far below either step, so 32 leaves them in place.
 DEGRID_BLOCKS = (16, 32)
+# the types whose scales span 16 weights: a GGUF holding any of them is de-gridded by 16
+SIXTEEN_WEIGHT_SCALES = frozenset({"Q6_K", "Q3_K", "Q2_K"})
+
+
+def degrid_block_for(model: str | Path) -> int:
+    """The de-grid block a source needs: 16 when a GGUF holds a type with 16-weight scales (a
+    Q4_K_M file's Q6_K tensors), else 32 (an HF checkpoint says nothing of what it came from)."""
+    p = Path(model)
+    if not is_gguf(p):
+        return DEGRID_BLOCK
+    from ..converter import vendored_gguf
+
+    types = {t.tensor_type.name for t in vendored_gguf().GGUFReader(p).tensors}
+    return 16 if types & SIXTEEN_WEIGHT_SCALES else DEGRID_BLOCK
 
 
 @dataclass
@@ -52,7 +66,8 @@ class MakeTeacherConfig:
     text_model_class: str | None = None  # model_type or transformers class of the text model
     dtype: str = "bfloat16"  # of the base checkpoint
     degrid_seed: int | None = None
-    degrid_block: int = DEGRID_BLOCK  # weights per block whose grid step sizes the noise (see degrid)
+    # weights per block whose grid step sizes the noise (see degrid); None: degrid_block_for(model)
+    degrid_block: int | None = None
     hf_out: Path | None = None  # also save the (de-gridded) float model as an HF dir
     progress: bool = True
 
@@ -67,6 +82,8 @@ class MakeTeacherConfig:
             raise ConfigError(f"--dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
         if self.degrid_seed is not None and self.degrid_seed < 0:
             raise ConfigError(f"--degrid_seed must be >= 0, got {self.degrid_seed}")
+        if self.degrid_block is None:
+            self.degrid_block = degrid_block_for(p) if self.degrid_seed is not None else DEGRID_BLOCK
         if self.degrid_block not in DEGRID_BLOCKS:
             raise ConfigError(f"--degrid_block must be one of {', '.join(map(str, DEGRID_BLOCKS))}, got {self.degrid_block}")
         if is_gguf(p) and self.strip_prefix:
