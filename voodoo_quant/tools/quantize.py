@@ -300,7 +300,8 @@ class Ladder:
                                            degrid_seed=c.degrid_seed, hf_out=self.teacher_hf,
                                            text_model_class=c.text_model_class, progress=False))
 
-        inputs = {"source": self.pre.source_sha, "degrid_seed": c.degrid_seed, "text_model_class": c.text_model_class, "v": 1}
+        # the de-grid block follows the source's types (make_teacher.degrid_block_for): v2
+        inputs = {"source": self.pre.source_sha, "degrid_seed": c.degrid_seed, "text_model_class": c.text_model_class, "v": 2}
         self.step("make-teacher", inputs, lambda: [self.teacher_hf / "config.json"], body)
 
     def reference_gguf(self) -> None:
