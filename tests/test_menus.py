@@ -97,3 +97,44 @@ def test_menu_drops_are_one_line_per_type(caplog):
     assert len(drops) == 2, drops
     for t, line in zip(("IQ2_XXS", "IQ1_S"), sorted(drops, key=lambda m: "IQ1_S" in m)):
         assert line.startswith(f"dropped {t} from the menus of 16 tensor(s) that no imatrix covers"), line
+
+
+def test_a_filled_menu_takes_every_size_its_row_admits():
+    """The default menu on 576-wide rows serves three rungs; filled, the row's other types in the
+    requested size range join them, one per size (IQ4_NL rather than Q4_0 at 4.5 bpw)."""
+    from voodoo_quant.menus import DEFAULT_CANDIDATES
+
+    plain = build_menu(DEFAULT_CANDIDATES, 576, has_imatrix=True)
+    filled = build_menu(DEFAULT_CANDIDATES, 576, has_imatrix=True, fill=True)
+    assert plain.types == ("IQ4_NL", "Q5_1", "Q8_0")
+    assert filled.types == ("MXFP4", "IQ4_NL", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+    assert filled.fallbacks == plain.fallbacks  # what was asked for and what served it, unchanged
+    bpw = [qt.get(t).bpw for t in filled.types]
+    assert bpw == sorted(set(bpw))  # one type per size, cheapest first
+    # only inside the range asked for: Q5_K (5.5 bpw) to Q8_0 gains Q5_0, not MXFP4 or Q4_1
+    assert build_menu(("Q5_K", "Q8_0"), 576, False, fill=True).types == ("Q5_0", "Q5_1", "Q8_0")
+    assert build_menu(("Q4_K", "Q8_0"), 576, False, fill=True).types == ("IQ4_NL", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+    # rows every type fits are left as asked, filled or not
+    for n in (1536, 2048):
+        assert build_menu(DEFAULT_CANDIDATES, n, True, fill=True).types == build_menu(DEFAULT_CANDIDATES, n, True).types
+    # a type the row would take but that needs an imatrix is not added without one
+    m = build_menu(("IQ2_XXS", "Q8_0"), 64 * 3, has_imatrix=False, fill=True)
+    assert all(not qt.get(t).needs_imatrix for t in m.types)
+
+
+def test_fill_is_the_default_only_for_the_default_menu():
+    from voodoo_quant.menus import DEFAULT_CANDIDATES, default_fill
+    from voodoo_quant.training.config import TrainConfig
+
+    assert default_fill(None, None, None) and default_fill(list(DEFAULT_CANDIDATES), None, None)
+    assert not default_fill(["Q8_0", "Q4_0"], None, None)
+    assert not default_fill(None, ["Q8_0"], None)
+    base = dict(model="m", compression_ratio=0.5)
+    assert TrainConfig(**base).fill_menus is True and TrainConfig(**base).menus.fill
+    assert TrainConfig(**base, candidate_types=("Q8_0", "Q4_0")).fill_menus is False
+    assert TrainConfig(**base, candidate_types=("Q8_0", "Q4_0"), fill_menus=True).menus.fill
+    assert TrainConfig(**base, fill_menus=False).menus.fill is False
+    # resolved once: the journal's key and a config read back from it agree
+    cfg = TrainConfig(**base)
+    assert TrainConfig.from_dict(cfg.to_dict()).result_hash() == cfg.result_hash()
+    assert TrainConfig(**base, fill_menus=False).result_hash() != cfg.result_hash()

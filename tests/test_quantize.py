@@ -94,6 +94,9 @@ def test_ladder_card_matches_eval_json_and_resumes(tiny_llama_hf_dir, ladder_tex
                 m = re.match(r"(\S+) \(([\d.]+) MB\): KLD ([\d.]+) / p99 ([\d.]+), PPL ([\d.]+)", cell)
                 assert m and m.group(1) == s["name"] and float(m.group(3)) == round(s["kld_mean"], 6), cell
     assert f"{ev['reference']['ppl']:.4f}" in card
+    # What wrote each file, as its run recorded it; these files are compensated (the default), so the
+    # card does not promise stock llama-quantize's bytes.
+    _check_made_by(card, out, res.files, compensated=True)
 
     # A second run skips every step and changes no file.
     stamps = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
@@ -120,6 +123,49 @@ def test_ladder_card_matches_eval_json_and_resumes(tiny_llama_hf_dir, ladder_tex
                                           r"[\d.]+–100\.0 % of uniform Q8_0 \(Voodoo\d+–Voodoo100\)"):
         quantize(_cfg(tiny_llama_hf_dir, ladder_text_dir, out, sizes=(30, 60)), progress=False)
     assert {p: p.read_bytes() for p in out.glob("*.gguf")} == before
+
+
+def _check_made_by(card: str, out: Path, files: dict, *, compensated: bool) -> None:
+    made = card.split("## How each file was made")[1].split("##")[0]
+    for size, p in files.items():
+        asg = json.loads((out / "work" / "runs" / f"Voodoo{size}" / "assignment.json").read_text())
+        winner = asg["meta"]["guarantee"]["winner"]
+        line = next(ln for ln in made.splitlines() if ln.startswith(f"- {p.name}: "))
+        assert ("gates" in line) if winner == "gates" else (winner.split(" ")[-1] in line), (winner, line)
+        assert ("error compensation gptq" in line) == compensated, line
+        assert (asg.get("compensation") is not None) == compensated
+    assert ("writes the same type for every tensor from an F32 GGUF of the same weights, and the same bytes:"
+            in card) == (not compensated)
+    assert "pypi.org" not in card and "learned" not in card
+
+
+@pytest.mark.slow
+def test_uncompensated_card_claims_stock_bytes_and_they_are(tiny_llama_hf_dir, ladder_text_dir, tmp_path):
+    """Without error compensation the card says stock llama-quantize, given a file's tensor-type file
+    and the imatrix, writes the same bytes; run it and compare every tensor."""
+    import subprocess
+
+    from voodoo_quant import converter, paths
+
+    out = tmp_path / "ladder"
+    res = quantize(_cfg(tiny_llama_hf_dir, ladder_text_dir, out, sizes=(60,), stock=("Q8_0",),
+                        train_extra={"error_compensation": "none"}), progress=False)
+    card = (out / "README.md").read_text()
+    _check_made_by(card, out, res.files, compensated=False)
+    reader = converter.vendored_gguf().GGUFReader
+    for p in res.files.values():
+        stock = tmp_path / "stock.gguf"
+        ttf = p.with_name(p.stem + ".tensor-types.txt")
+        r = subprocess.run([str(paths.tool_path("llama-quantize")), "--imatrix", str(out / "imatrix.gguf"),
+                            "--tensor-type-file", str(ttf), str(out / "work" / "gguf" / "Tiny.F32.gguf"), str(stock),
+                            "Q8_0", "2"], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[-2000:]
+        ours = {t.name: t for t in reader(p).tensors}
+        theirs = {t.name: t for t in reader(stock).tensors}
+        assert sorted(ours) == sorted(theirs)
+        for n, t in ours.items():
+            assert t.tensor_type == theirs[n].tensor_type, n
+            assert bytes(t.data) == bytes(theirs[n].data), n
 
 
 # -- the shared teacher forward is exact ---------------------------------------------------------
@@ -229,6 +275,10 @@ def test_extra_train_flags_after_double_dash():
     assert train_extra(["--", "--lr", "0.3", "--no_polish", "--tau_end", "0.1"]) == {"lr": 0.3, "polish": False,
                                                                                       "tau_end": 0.1}
     assert train_extra([]) == {}
+    # a flag given explicitly counts even at its default here: fill_menus's default follows the
+    # menu, and quantize's own --candidate_types may name one
+    assert train_extra(["--", "--fill_menus"]) == {"fill_menus": True}
+    assert train_extra(["--", "--no-fill-menus"]) == {"fill_menus": False}
 
 
 def test_default_model_name():

@@ -6,6 +6,12 @@ is mapped through llama.cpp's fallback for the tensor's GGUF row length
 (``src/llama-quant.cpp`` ``tensor_type_fallback``), duplicates collapse, and types that need an
 imatrix are dropped when none covers the tensor. The result is ordered by bits per weight: these
 are the rungs that ``--tensor_upgrades`` moves along.
+
+A menu whose types fall back on a tensor's row length loses rungs: the default menu on a row of
+576 weights (not a multiple of 256) serves only IQ4_NL, Q5_1 and Q8_0. Where menus are *filled*
+(the default when the user names no menu), such a tensor also takes every other type its row
+length admits within the size range the menu asked for (MXFP4, Q4_1, Q5_0 there), one per size:
+the rungs the stock tool itself would use on that row.
 """
 
 from __future__ import annotations
@@ -41,11 +47,20 @@ def _norm_types(types: Iterable[str] | None, flag: str) -> tuple[str, ...] | Non
     return tuple(out)
 
 
+def default_fill(candidate_types: Sequence[str] | None, attention_candidates: Sequence[str] | None,
+                 non_attention_candidates: Sequence[str] | None) -> bool:
+    """Whether menus are filled when the user does not say: yes for the default menu (no menu
+    named, or one equal to the default), no for a menu the user chose."""
+    named = _norm_types(candidate_types, "--candidate_types")
+    return (named is None or named == DEFAULT_CANDIDATES) and not attention_candidates and not non_attention_candidates
+
+
 @dataclass(frozen=True)
 class MenuConfig:
     candidate_types: tuple[str, ...] = DEFAULT_CANDIDATES
     attention_candidates: tuple[str, ...] | None = None
     non_attention_candidates: tuple[str, ...] | None = None
+    fill: bool = False  # a menu that falls back on a tensor's row also takes the row's other types
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "candidate_types", _norm_types(self.candidate_types, "--candidate_types"))
@@ -75,7 +90,16 @@ class Menu:
     dropped_no_imatrix: tuple[str, ...] = ()
 
 
-def build_menu(types: Sequence[str], n_per_row: int, has_imatrix: bool) -> Menu:
+# Types a filled menu may add: the quantized types llama.cpp serves for ordinary weights (not the
+# floats, not the ternary TQ types, which only suit ternary-trained models).
+FILL_TYPES: tuple[str, ...] = tuple(n for n, q in qt.QTYPES.items() if not q.is_float and not n.startswith("TQ"))
+
+
+def build_menu(types: Sequence[str], n_per_row: int, has_imatrix: bool, fill: bool = False) -> Menu:
+    """The menu of a tensor whose rows hold `n_per_row` weights: `types` through llama.cpp's
+    fallbacks, de-duplicated, cheapest first; with `fill`, where a type fell back, also every type
+    of :data:`FILL_TYPES` that the row takes whose size lies within the requested types' range
+    and that no served type already has (at equal size the better one, the table's first)."""
     served: dict[str, qt.QType] = {}
     fallbacks: dict[str, str] = {}
     dropped: list[str] = []
@@ -87,6 +111,15 @@ def build_menu(types: Sequence[str], n_per_row: int, has_imatrix: bool) -> Menu:
             dropped.append(q.name)
             continue
         served.setdefault(q.name, q)
+    if fill and fallbacks:
+        asked = [qt.get(t).bpw for t in types]
+        lo, hi = min(asked), max(asked)
+        sizes = {q.bpw for q in served.values()}
+        for name in FILL_TYPES:  # quality order: at an equal size the better type comes first
+            q = qt.QTYPES[name]
+            if q.fits(n_per_row) and lo <= q.bpw <= hi and q.bpw not in sizes and (has_imatrix or not q.needs_imatrix):
+                served[name] = q
+                sizes.add(q.bpw)
     ordered = tuple(q.name for q in sorted(served.values(), key=rung_key))
     return Menu(ordered, tuple(qt.get(t).name for t in types), fallbacks, tuple(dict.fromkeys(dropped)))
 

@@ -202,7 +202,7 @@ def plan_model(
             continue
         role = "attention" if adapter.is_attention(name) else "other"
         has_im = layout.gguf_name is not None and layout.gguf_name in covered
-        menu = build_menu(menus.types_for(role), layout.n_per_row, has_im)
+        menu = build_menu(menus.types_for(role), layout.n_per_row, has_im, fill=menus.fill)
         for t in menu.dropped_no_imatrix:
             dropped.setdefault(t, []).append(name)
         if not menu.types:

@@ -19,6 +19,7 @@ def register(app: typer.Typer) -> None:
         candidate_types: Optional[List[str]] = typer.Option(None, "--candidate_types", help="Default menu (space or comma separated)."),
         attention_candidates: Optional[List[str]] = typer.Option(None, "--attention_candidates", help="Menu of the attention family."),
         non_attention_candidates: Optional[List[str]] = typer.Option(None, "--non_attention_candidates", help="Menu of every other tensor."),
+        fill_menus: Optional[bool] = typer.Option(None, "--fill_menus/--no_fill_menus", help="As in `voodoo train`: where a menu's types fall back on a tensor's row length, also build the row's other types in the menu's size range (default: on for the default menu)."),
         imatrix: Optional[str] = typer.Option(None, "--imatrix", help="llama.cpp imatrix (GGUF or legacy .dat)."),
         workers: Optional[int] = typer.Option(None, "--workers", help="Worker processes (default VOODOO_QUANT_WORKERS, else all cores)."),
         shard: Optional[str] = typer.Option(None, "--shard", help="i/n: build only part i of n (1-based) of the tensors, balanced by cost; n processes or hosts sharing one cache directory (VOODOO_CACHE_DIR) fill it together."),
@@ -27,7 +28,8 @@ def register(app: typer.Typer) -> None:
         from ..tools.precache import PrecacheConfig, precache as run
 
         cfg = PrecacheConfig(model, base_checkpoint, text_model_class, candidate_types or None,
-                             attention_candidates or None, non_attention_candidates or None, imatrix, workers, shard)
+                             attention_candidates or None, non_attention_candidates or None, imatrix, workers, shard,
+                             fill_menus=fill_menus)
         rep = run(cfg)
         part = f"shard {shard}: " if shard else ""
         console.print(

@@ -38,7 +38,11 @@ def train_extra(args: list[str]) -> dict:
     req = ["--model", "placeholder", "--compression_ratio", "0.5"]
     base = parse_train_flags(req).to_dict()
     given = parse_train_flags(req + list(args)).to_dict()
-    return {k: v for k, v in given.items() if v != base[k]}
+    # a flag given explicitly counts even where it equals the default here: a default that other
+    # flags resolve (fill_menus follows the menu) may differ once quantize's own flags apply
+    named = {a.lstrip("-").replace("-", "_").split("=")[0] for a in args if a.startswith("--")}
+    named |= {n[len("no_"):] for n in named if n.startswith("no_")}
+    return {k: v for k, v in given.items() if v != base[k] or k in named}
 
 
 def register(app: typer.Typer) -> None:

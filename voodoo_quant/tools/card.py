@@ -3,7 +3,9 @@
 YAML front matter (base_model, license from the source, tags), one table row per Voodoo file
 (size, bits per weight, PPL, mean and p99 KLD against the reference, and the same numbers of the
 nearest stock recipes below and above it in size), the stock rows, the Pareto plot, how to run
-each file in llama.cpp, and how the files were made. Every number comes from ``eval.json``
+each file in llama.cpp, what wrote each file (the method the selection kept, and whether its
+candidates were error-compensated: only an uncompensated file's bytes are stock llama-quantize's),
+and how the ladder was made. Every number comes from ``eval.json``
 (written in the same run), printed with fixed precision so that a reader — or a test — can check
 the card against it.
 """
@@ -11,6 +13,7 @@ the card against it.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -76,10 +79,11 @@ def render(ladder, files: dict[int, Path], result: dict[str, Any] | None) -> str
     lines = ["---", f"base_model: {_yaml_str(base)}", f"license: {_yaml_str(lic)}", "tags:"]
     lines += [f"- {t}" for t in TAGS]
     lines += ["quantized_by: voodoo_quant", "---", "", f"# {name}: Voodoo GGUF ladder", ""]
+    made = {size: made_by(ladder, size) for size in files}
     lines += [f"{len(files)} GGUF file(s) of `{base}`, each at a standard Voodoo size (a percent of the bytes the "
-              "quantizable tensors take at uniform Q8_0), with a per-tensor llama.cpp type learned by "
-              "[voodoo_quant](https://pypi.org/project/voodoo_quant/) under that size budget. Every file is a "
-              "stock GGUF: any llama.cpp build runs it.", ""]
+              "quantizable tensors take at uniform Q8_0), with a per-tensor llama.cpp type chosen by voodoo_quant "
+              "under that size budget (which method wrote each file is under \"How each file was made\"). Every "
+              "file is a stock GGUF: any llama.cpp build runs it.", ""]
     meta = json.loads((ladder.data_dir / "meta.json").read_text())
     if result is not None:
         rows = result["rows"]
@@ -107,12 +111,22 @@ def render(ladder, files: dict[int, Path], result: dict[str, Any] | None) -> str
     first = next(iter(files.values())).name if files else f"{name}.gguf"
     lines += ["## Run it", "", "With any llama.cpp build (`llama-cli`, `llama-server`, `llama-completion`):", "", "```bash"]
     lines += [f"llama-cli -m {p.name} -p \"Once upon a time\" -n 64" for p in files.values()]
+    compensated = [size for size, m in made.items() if m.compensated]
     lines += [f"llama-server -m {first} --port 8080", "```", "",
               "Each GGUF has its tensor-type file beside it (`<file>.tensor-types.txt`, lines `^name$=type`). "
-              "Stock `llama-quantize` given that file and the imatrix reproduces every quantized tensor byte for byte "
-              "from an F32 GGUF of the same weights:", "", "```bash",
+              "Stock `llama-quantize` given that file and the imatrix writes the same type for every tensor "
+              "from an F32 GGUF of the same weights"
+              + (", and the same bytes:" if not compensated else
+                 f"; the bytes are the same only for files made without error compensation (here: "
+                 f"{', '.join(f'Voodoo{s}' for s in files if s not in compensated) or 'none'}). Error "
+                 "compensation hands the quantizer weights adjusted so that each block's rounding error is "
+                 "absorbed by the columns after it, which stock `llama-quantize` does not do; "
+                 "`voodoo export` writes those bytes again from the run's assignment:"),
+              "", "```bash",
               f"llama-quantize --imatrix imatrix.gguf --tensor-type-file {Path(first).stem}.tensor-types.txt "
               f"{name}.F32.gguf {name}.same-types.gguf Q8_0", "```", ""]
+    lines += ["## How each file was made", ""]
+    lines += [f"- {files[size].name}: {m.describe()}" for size, m in made.items()] + [""]
     menus = c.menus
     tr = ladder.cfg.train_config(c.sizes[0], ladder.teacher_hf)
     texts = "; ".join(f"`{Path(p).name}` (sha256 {h[:12]}…)" for p, h in pre.text_hashes[:8])
@@ -130,7 +144,8 @@ def render(ladder, files: dict[int, Path], result: dict[str, Any] | None) -> str
               f"- menus: default {' '.join(menus.candidate_types)}"
               + (f"; attention {' '.join(menus.attention_candidates)}" if menus.attention_candidates else "")
               + (f"; other {' '.join(menus.non_attention_candidates)}" if menus.non_attention_candidates else "")
-              + " (each through llama.cpp's fallback for the tensor's row length)",
+              + " (each through llama.cpp's fallback for the tensor's row length"
+              + ("; where that collapses a menu, filled with the row's other types in its size range)" if tr.fill_menus else ")"),
               f"- training per size: {tr.max_steps} steps of {tr.batch_size} × {tr.seq_len} tokens, lr {tr.lr}, "
               f"τ {tr.tau_start}→{tr.tau_end}, KL weight {tr.distill_weight}, size tolerance ±{tr.size_tolerance:.0%}, "
               f"seed {tr.seed}, warm start {'on' if tr.warm_start else 'off'}, polish {'on' if tr.polish else 'off'}, "
@@ -139,6 +154,43 @@ def render(ladder, files: dict[int, Path], result: dict[str, Any] | None) -> str
               f"reachable with these menus: {100 * pre.min_bytes / pre.q8_bytes:.1f}–{100 * pre.max_bytes / pre.q8_bytes:.1f} %)",
               "", "Reproduce:", "", "```bash", command_line(c), "```", ""]
     return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class MadeBy:
+    """What wrote one file of the ladder, from its run's assignment: the candidate the selection
+    kept (``meta.guarantee.winner``; without a guarantee, the method), how many it measured, and the
+    error compensation of its candidates."""
+
+    winner: str
+    measured: int
+    compensation: dict[str, Any] | None
+
+    @property
+    def compensated(self) -> bool:
+        return bool(self.compensation) and self.compensation.get("method", "none") != "none"
+
+    def describe(self) -> str:
+        w = self.winner
+        what = ("the trained gates" if w == "gates" else
+                f"the Fisher-priced knapsack{w[len('knapsack'):]}" if w.startswith("knapsack") else
+                f"{w} (one type on every selectable tensor)" if w.startswith("uniform ") else
+                f"llama-quantize's {w[len('stock '):]} recipe (its per-tensor types)" if w.startswith("stock ") else w)
+        out = (f"written by {what}, the lowest KL of the {self.measured} assignments measured on held-aside training "
+               "sequences" if self.measured > 1 else f"written by {what}")
+        c = self.compensation
+        return out + (f"; error compensation {c['method']} (damping {c.get('damp')})" if self.compensated
+                      else "; no error compensation (the bytes are stock llama-quantize's for these types)")
+
+
+def made_by(ladder, size: int) -> MadeBy:
+    """The :class:`MadeBy` of the ladder's Voodoo`size` file (its run's assignment.json)."""
+    d = json.loads((ladder.work / "runs" / f"Voodoo{size}" / "assignment.json").read_text())
+    meta = d.get("meta", {})
+    g = meta.get("guarantee")
+    if g:
+        return MadeBy(g["winner"], len(g.get("candidates", [])), d.get("compensation"))
+    return MadeBy("gates" if meta.get("method", "gates") == "gates" else "knapsack", 1, d.get("compensation"))
 
 
 def command_line(c) -> str:

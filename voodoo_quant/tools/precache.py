@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from .. import envs
 from ..errors import ConfigError
-from ..menus import DEFAULT_CANDIDATES, MenuConfig
+from ..menus import DEFAULT_CANDIDATES, MenuConfig, default_fill
 
 
 @dataclass
@@ -32,6 +32,7 @@ class PrecacheConfig:
     imatrix: str | None = None
     workers: int | None = None
     shard: str | None = None  # "i/n": build only part i of n (1-based)
+    fill_menus: bool | None = None  # as TrainConfig.fill_menus: None fills the default menu
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -41,6 +42,8 @@ class PrecacheConfig:
         from ..precache import parse_shard
 
         parse_shard(self.shard)
+        if self.fill_menus is None:
+            self.fill_menus = default_fill(self.candidate_types, self.attention_candidates, self.non_attention_candidates)
         menus = MenuConfig(self.candidate_types or DEFAULT_CANDIDATES, self.attention_candidates,
                            self.non_attention_candidates)
         self.candidate_types = menus.candidate_types
@@ -49,7 +52,8 @@ class PrecacheConfig:
 
     @property
     def menus(self) -> MenuConfig:
-        return MenuConfig(self.candidate_types, self.attention_candidates, self.non_attention_candidates)
+        return MenuConfig(self.candidate_types, self.attention_candidates, self.non_attention_candidates,
+                          fill=bool(self.fill_menus))
 
 
 def precache(cfg: PrecacheConfig, *, progress: bool = True):

@@ -11,7 +11,7 @@ from typing import Any
 
 from .. import qtypes as qt
 from ..errors import ConfigError
-from ..menus import DEFAULT_CANDIDATES, MenuConfig, parse_upgrades
+from ..menus import DEFAULT_CANDIDATES, MenuConfig, default_fill, parse_upgrades
 
 DTYPES = ("float32", "bfloat16", "float16")
 METHODS = ("gates", "sensitivity")
@@ -53,6 +53,9 @@ class TrainConfig:
     candidate_types: tuple[str, ...] = DEFAULT_CANDIDATES
     attention_candidates: tuple[str, ...] | None = None
     non_attention_candidates: tuple[str, ...] | None = None
+    # a menu that falls back on a tensor's row length also takes the row's other types in its size
+    # range (menus.py); None: yes for the default menu, no for one the user names
+    fill_menus: bool | None = None
     imatrix: str | None = None
     # optimization
     seq_len: int = 512
@@ -124,6 +127,9 @@ class TrainConfig:
         return "none" if self.lazy or self.tensor_parallel > 1 else "gptq"
 
     def __post_init__(self) -> None:
+        if self.fill_menus is None:  # before the default replaces an omitted menu
+            self.fill_menus = default_fill(_types(self.candidate_types), self.attention_candidates,
+                                           self.non_attention_candidates)
         self.candidate_types = _types(self.candidate_types) or DEFAULT_CANDIDATES
         self.attention_candidates = _types(self.attention_candidates)
         self.non_attention_candidates = _types(self.non_attention_candidates)
@@ -232,7 +238,8 @@ class TrainConfig:
 
     @property
     def menus(self) -> MenuConfig:
-        return MenuConfig(self.candidate_types, self.attention_candidates, self.non_attention_candidates)
+        return MenuConfig(self.candidate_types, self.attention_candidates, self.non_attention_candidates,
+                          fill=bool(self.fill_menus))
 
     @property
     def upgrades(self):
