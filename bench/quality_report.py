@@ -1,18 +1,20 @@
-"""The numbers and the report of ``bench/quality.py``: curves, frontiers, excess-KLD ratios with
-their noise, the Markdown table and the PNG plot. Pure functions of the measured rows (no tools
-run here), so they are unit-tested on made-up rows (tests/test_bench_quality.py).
+"""The report of ``bench/quality.py``, from its JSON lines alone: curves, frontiers, excess-KLD
+ratios with their noise, the Markdown tables and the PNG plot. Pure functions of the rows (no
+tool runs here), unit-tested on made-up rows (tests/test_bench_quality.py).
 
-A row is a dict with at least ``name``, ``method`` ("stock", "uniform", "voodoo", "sensitivity",
-"sensitivity_output"), ``size_bytes`` and ``kld_mean``; the trained methods also carry
-``size_percent`` and ``seed``, and every row may carry ``kld_chunks`` (per-chunk mean KLD, from
-llama-perplexity's running means) and ``kld_stderr`` (their standard error); both come from
-``voodoo_quant.tools.evaluate`` (``chunk_klds``, ``parse_kld_report``).
+A row (``quality.py``: one file on one eval text) has ``name``, ``method`` ("stock", "uniform",
+"voodoo", "knapsack-gptq", "knapsack"), ``calib`` and ``text`` (the calibration domains and the
+eval text), ``size_bytes``, ``kld_mean``, ``kld_stderr`` (standard error over chunks),
+``kld_chunks`` (each chunk's mean KLD, for paired differences); stock and uniform rows have
+``recipe``, the others ``size`` (percent of uniform Q8_0), the written file (voodoo) also
+``steps`` and ``seed``. Rows with the same ``digest`` are one measurement: the last counts.
 
-Comparisons: every Voodoo size is the mean over its seeds (spread shown); its excess
-KLD over the Q8_0 floor is divided by the excess of a reference *curve* at the same file size,
-linear in log KLD between the curve's two nearest points (no extrapolation): the stock Pareto
-frontier (target ≤ 0.5), the one-shot knapsack's curve (≤ 0.75) and the uniform files' frontier
-(≤ 1). A Voodoo point above the stock frontier is flagged, and so is a size whose mean KLD does
+Per (calibration, eval text): each size of the written file is the mean over its seeds (spread
+shown) at the step count measured at the most sizes; its excess KLD over the Q8_0 floor is divided
+by the excess of a reference curve at the same file size, linear in log KLD between the curve's
+two nearest points (no extrapolation): the stock Pareto frontier (target ≤ 0.5), the compensated
+knapsack (the learned stage's target: ≤ 0.85 at 25–45), the plain Fisher knapsack and the uniform
+files' frontier. A point above the stock frontier is flagged, and so is a size whose mean KLD does
 not fall below the next smaller size's.
 """
 
@@ -23,12 +25,28 @@ import statistics
 from pathlib import Path
 from typing import Any, Sequence
 
+FLOOR = "Q8_0"
 TARGET_VS_STOCK = 0.5
-TARGET_VS_SENSITIVITY = 0.75
-TARGET_VS_UNIFORM = 1.0
-TRAINED = ("voodoo", "sensitivity", "sensitivity_output", "voodoo_gptq", "sensitivity_gptq")
-# each gate-trained method against the knapsack of its own candidates (plain or compensated)
-VOODOO = (("voodoo", "sensitivity"), ("voodoo_gptq", "sensitivity_gptq"))
+TARGET_VS_KNAPSACK = 0.85
+LEARNED_SIZES = (25, 30, 35, 40, 45)  # where the learned stage's target applies
+
+
+def latest(rows: Sequence[dict]) -> list[dict]:
+    """One row per digest, the last written (a row measured again replaces the earlier one)."""
+    by: dict[Any, dict] = {}
+    for i, r in enumerate(rows):
+        by[r.get("digest", i)] = r
+    return list(by.values())
+
+
+def groups(rows: Sequence[dict]) -> dict[tuple[str, str], list[dict]]:
+    """Rows by (calibration, eval text), the calibration with the most rows first."""
+    out: dict[tuple[str, str], list[dict]] = {}
+    for r in rows:
+        out.setdefault((r.get("calib", "?"), r.get("text", "?")), []).append(r)
+    count = {c: sum(len(v) for (cc, _), v in out.items() if cc == c) for c, _ in out}
+    return dict(sorted(out.items(), key=lambda kv: (-count[kv[0][0]], kv[0])))
+
 
 def pareto(rows: Sequence[dict]) -> list[dict]:
     """The Pareto-optimal rows by (file size, mean KLD), ascending in size: a file stays when no
@@ -53,112 +71,119 @@ def frontier_kld(front: Sequence[dict], size: float) -> float | None:
     return float(front[0]["kld_mean"])  # a curve of one point, and size equals its size
 
 
-def _ratio(num: float, den: float | None) -> float | None:
-    if den is None or den <= 0:
-        return None
-    return num / den
+def main_steps(rows: Sequence[dict]) -> int | None:
+    """The written file's step count measured at the most sizes (the others are the fair test's)."""
+    sizes: dict[int, set] = {}
+    for r in rows:
+        if r["method"] == "voodoo":
+            sizes.setdefault(r.get("steps"), set()).add(r["size"])
+    return max(sizes, key=lambda s: (len(sizes[s]), s or 0)) if sizes else None
 
 
-def seed_means(rows: Sequence[dict], method: str) -> list[dict]:
-    """One point per size of a trained method: means over seeds of size and KLD, with the spread."""
+def curve(rows: Sequence[dict], method: str, steps: int | None = None) -> list[dict]:
+    """One point per size of a trained method (at `steps`): means over seeds, with the spread."""
     by: dict[int, list[dict]] = {}
     for r in rows:
-        if r["method"] == method:
-            by.setdefault(int(r["size_percent"]), []).append(r)
+        if r["method"] == method and (steps is None or r.get("steps") == steps):
+            by.setdefault(int(r["size"]), []).append(r)
     out = []
-    for pct in sorted(by):
-        rs = by[pct]
+    for size in sorted(by):
+        rs = sorted(by[size], key=lambda r: r.get("seed") or 0)
         klds = [float(r["kld_mean"]) for r in rs]
         errs = [r.get("kld_stderr") for r in rs]
         out.append({
-            "size_percent": pct, "method": method, "n_seeds": len(rs), "seeds": [r.get("seed") for r in rs],
+            "size": size, "method": method, "steps": steps, "n_seeds": len(rs), "seeds": [r.get("seed") for r in rs],
             "size_bytes": statistics.fmean(float(r["size_bytes"]) for r in rs), "kld_mean": statistics.fmean(klds),
             "kld_min": min(klds), "kld_max": max(klds),
-            "seed_sd": statistics.stdev(klds) if len(klds) >= 2 else None,
-            # the eval noise of the seed mean: per-file chunk standard errors, averaged in quadrature / n
-            "kld_stderr": (math.sqrt(sum(e * e for e in errs)) / len(errs)) if all(e is not None for e in errs) else None,
-            "names": [r["name"] for r in rs],
+            # the eval noise of the seed mean: the files' chunk standard errors in quadrature / n
+            "kld_stderr": math.sqrt(sum(e * e for e in errs)) / len(errs) if all(e is not None for e in errs) else None,
+            "chunks": _mean_chunks(rs), "made_by": [r.get("made_by") for r in rs],
         })
-    return out
+    return sorted(out, key=lambda p: p["size_bytes"])
 
 
-def targets(rows: Sequence[dict], floor_name: str) -> dict[str, Any]:
-    """Per Voodoo size (seed mean): excess KLD over the floor against the stock frontier, the
-    knapsack curve and the uniform frontier at the same file size; monotonicity; flags."""
-    by_name = {r["name"]: r for r in rows}
-    if floor_name not in by_name:
-        raise ValueError(f"the floor file {floor_name} has no measured row")
-    floor = float(by_name[floor_name]["kld_mean"])
-    front = pareto([r for r in rows if r["method"] == "stock"])
-    uni = pareto([r for r in rows if r["method"] in ("uniform", "stock") and _is_uniform(r)])
-    knap_out = sorted(seed_means(rows, "sensitivity_output"), key=lambda r: r["size_bytes"])
-    plain_knap = sorted(seed_means(rows, "sensitivity"), key=lambda r: r["size_bytes"])
-    out = []
-    for method, knap_method in VOODOO:
-        out += _targets_of(rows, method, knap_method, floor, front, uni, plain_knap, knap_out)
-    return {"floor_name": floor_name, "floor_kld": floor, "frontier": [r["name"] for r in front],
-            "uniform_frontier": [r["name"] for r in uni], "sizes": out,
-            "monotone": all(x["falls"] is not False for x in out)}
+def _mean_chunks(rs: Sequence[dict]) -> list[float]:
+    cs = [r.get("kld_chunks") or [] for r in rs]
+    n = min(len(c) for c in cs) if cs else 0
+    return [statistics.fmean(c[i] for c in cs) for i in range(n)]
 
 
-def _targets_of(rows, method, knap_method, floor, front, uni, plain_knap, knap_out) -> list[dict]:
-    knap = sorted(seed_means(rows, knap_method), key=lambda r: r["size_bytes"])
-    out = []
-    prev = None
-    for v in seed_means(rows, method):
-        excess = v["kld_mean"] - floor
-        row = {**v, "excess": excess}
-        for tag, curve in (("stock", front), ("sensitivity", knap), ("sensitivity_output", knap_out), ("uniform", uni),
-                           ("plain_knapsack", plain_knap)):
-            k = frontier_kld(curve, v["size_bytes"])
-            row[f"{tag}_kld"] = k
-            row[f"{tag}_excess"] = None if k is None else k - floor
-            row[f"ratio_vs_{tag}"] = None if k is None else _ratio(excess, k - floor)
-        row["meets_stock_target"] = None if row["ratio_vs_stock"] is None else row["ratio_vs_stock"] <= TARGET_VS_STOCK
-        row["meets_sensitivity_target"] = (None if row["ratio_vs_sensitivity"] is None
-                                           else row["ratio_vs_sensitivity"] <= TARGET_VS_SENSITIVITY)
-        row["meets_uniform_target"] = None if row["ratio_vs_uniform"] is None else row["ratio_vs_uniform"] <= TARGET_VS_UNIFORM
-        row["above_stock_frontier"] = row["stock_kld"] is not None and v["kld_mean"] > row["stock_kld"]
-        row["falls"] = None if prev is None else v["kld_mean"] < prev["kld_mean"]
-        row["paired_vs_sensitivity"] = paired_difference(rows, v, knap_method)
-        notes = []
-        if row["stock_kld"] is None and front:
-            smallest = front[0]
-            if v["size_bytes"] < smallest["size_bytes"]:
-                notes.append(f"smaller than every stock file; KLD {'below' if v['kld_mean'] < smallest['kld_mean'] else 'above'} "
-                             f"the smallest ({smallest['name']})")
-            else:
-                notes.append("outside the stock frontier's size range")
-        if row["above_stock_frontier"]:
-            notes.append("ABOVE the stock frontier")
-        if row["falls"] is False:
-            notes.append(f"NOT below Voodoo{prev['size_percent']}")
-        if knap_method != "sensitivity" and row["ratio_vs_plain_knapsack"] is not None:
-            notes.append(f"{row['ratio_vs_plain_knapsack']:.3f}× the plain Fisher knapsack's excess")
-        row["note"] = "; ".join(notes)
-        out.append(row)
-        prev = v
-    return out
-
-
-def paired_difference(rows: Sequence[dict], v: dict, method: str) -> tuple[float, float] | None:
-    """(mean, standard error) of Voodoo's per-chunk KLD (its seeds averaged chunk by chunk) minus
-    `method`'s at the same size percent: both scored on the same chunks, so the text's own
-    chunk-to-chunk spread cancels and the difference is resolved far below either file's ±."""
-    ref = [r for r in rows if r["method"] == method and r.get("size_percent") == v["size_percent"]]
-    by_name = {r["name"]: r for r in rows}
-    mine = [by_name[n].get("kld_chunks") or [] for n in v["names"]]
-    if not ref or not mine or not ref[0].get("kld_chunks"):
-        return None
-    n = min(len(ref[0]["kld_chunks"]), *(len(c) for c in mine))
+def paired(a: Sequence[float], b: Sequence[float]) -> tuple[float, float] | None:
+    """(mean, standard error) of a − b chunk by chunk: both files scored on the same chunks, so the
+    text's own chunk-to-chunk spread cancels and the difference is resolved far below either ±."""
+    n = min(len(a), len(b))
     if n < 2:
         return None
-    d = [statistics.fmean(c[i] for c in mine) - ref[0]["kld_chunks"][i] for i in range(n)]
+    d = [a[i] - b[i] for i in range(n)]
     return statistics.fmean(d), statistics.stdev(d) / math.sqrt(n)
 
 
-def _is_uniform(r: dict) -> bool:
-    return r["method"] == "uniform" or ".pure-" in r["name"]
+def floor_row(rows: Sequence[dict]) -> dict:
+    f = [r for r in rows if r["method"] == "stock" and r.get("recipe") == FLOOR]
+    if not f:
+        raise ValueError(f"the floor ({FLOOR}) has no measured row")
+    return f[-1]
+
+
+def targets(rows: Sequence[dict]) -> dict[str, Any]:
+    """For the rows of one (calibration, eval text): per size of the written file, its excess KLD
+    over the floor against each reference curve at the same file size; monotonicity; flags."""
+    floor = float(floor_row(rows)["kld_mean"])
+    ref = {"stock": pareto([r for r in rows if r["method"] == "stock"]),
+           "uniform": pareto([r for r in rows if r["method"] == "uniform" or r.get("recipe") == FLOOR]),
+           "knapsack-gptq": curve(rows, "knapsack-gptq"), "knapsack": curve(rows, "knapsack")}
+    steps = main_steps(rows)
+    out, prev = [], None
+    for v in curve(rows, "voodoo", steps):
+        x = {**v, "excess": v["kld_mean"] - floor}
+        for tag, c in ref.items():
+            k = frontier_kld(c, v["size_bytes"])
+            x[f"{tag}_kld"] = k
+            x[f"ratio_vs_{tag}"] = None if k is None or k - floor <= 0 else x["excess"] / (k - floor)
+        same = [p for p in ref["knapsack-gptq"] if p["size"] == v["size"]]
+        x["paired_vs_knapsack"] = paired(v["chunks"], same[0]["chunks"]) if same else None
+        x["meets_stock"] = None if x["ratio_vs_stock"] is None else x["ratio_vs_stock"] <= TARGET_VS_STOCK
+        x["meets_knapsack"] = (None if x["ratio_vs_knapsack-gptq"] is None or v["size"] not in LEARNED_SIZES
+                               else x["ratio_vs_knapsack-gptq"] <= TARGET_VS_KNAPSACK)
+        x["above_stock"] = x["stock_kld"] is not None and v["kld_mean"] > x["stock_kld"]
+        x["falls"] = None if prev is None else v["kld_mean"] < prev["kld_mean"]
+        notes = []
+        if x["stock_kld"] is None and ref["stock"]:
+            smallest = ref["stock"][0]
+            if v["size_bytes"] < smallest["size_bytes"]:
+                below = v["kld_mean"] < min(r["kld_mean"] for r in rows if r["method"] == "stock")
+                notes.append(f"smaller than every stock file; KLD {'below every' if below else 'NOT below every'} stock file's")
+            else:
+                notes.append("outside the stock frontier's size range")
+        if x["above_stock"]:
+            notes.append("ABOVE the stock frontier")
+        if x["falls"] is False:
+            notes.append(f"NOT below Voodoo{prev['size']}")
+        x["note"] = "; ".join(notes)
+        out.append(x)
+        prev = v
+    return {"floor": floor, "steps": steps, "frontier": [r["name"] for r in ref["stock"]], "sizes": out,
+            "monotone": all(x["falls"] is not False for x in out)}
+
+
+def fair(rows: Sequence[dict]) -> list[dict]:
+    """The written file at the sizes measured with more than one step count or seed: per step
+    count the seed mean, its excess against the compensated knapsack's and the paired difference."""
+    floor = float(floor_row(rows)["kld_mean"])
+    knap = {p["size"]: p for p in curve(rows, "knapsack-gptq")}
+    combos: dict[int, set] = {}
+    for r in rows:
+        if r["method"] == "voodoo":
+            combos.setdefault(r["size"], set()).add((r.get("steps"), r.get("seed")))
+    out = []
+    for size in sorted(s for s, c in combos.items() if len(c) > 1):
+        for steps in sorted({st for st, _ in combos[size]}, key=lambda s: s or 0):
+            (v,) = [p for p in curve(rows, "voodoo", steps) if p["size"] == size]
+            k = knap.get(size)
+            out.append({**v, "vs_knapsack": None if k is None or k["kld_mean"] <= floor
+                        else (v["kld_mean"] - floor) / (k["kld_mean"] - floor),
+                        "paired_vs_knapsack": paired(v["chunks"], k["chunks"]) if k else None})
+    return out
 
 
 # -- Markdown ----------------------------------------------------------------------------------
@@ -167,7 +192,7 @@ def _f(v: Any, spec: str) -> str:
     return "—" if v is None else format(v, spec)
 
 
-def _paired(v) -> str:
+def _pm(v) -> str:
     return "—" if not v else f"{v[0]:+.5f} ± {v[1]:.5f}"
 
 
@@ -175,86 +200,116 @@ def _yes(v: bool | None) -> str:
     return "—" if v is None else ("yes" if v else "no")
 
 
-def markdown(result: dict[str, Any]) -> str:
-    rows, t, s = result["rows"], result["targets"], result["setup"]
+def _label(r: dict) -> str:
+    if r["method"] in ("stock", "uniform"):
+        return f"{r['method']} {r['recipe']}"
+    return f"Voodoo{r['size']} {r['method']}" + (f" ({r.get('steps')} steps, seed {r.get('seed')})" if r["method"] == "voodoo" else "")
+
+
+def markdown(rows: Sequence[dict], costs: Sequence[dict] = (), plot_name: str | None = None) -> str:
+    rows = latest(rows)
+    last = max(rows, key=lambda r: r.get("date", ""))
+    v = last.get("versions", {})
+    lines = [f"# {last.get('model', 'model')}: Voodoo vs stock llama.cpp recipes", "",
+             f"Rendered by `bench/quality.py report` from {len(rows)} rows of "
+             f"{len({r.get('session') for r in rows})} session(s); latest code {v.get('voodoo_quant', '?')[:12]}, "
+             f"llama.cpp {v.get('llama.cpp', '?')[:12]}. The latest command:", "", "```", last.get("command", "?"), "```", "",
+             f"KLD: stock `llama-perplexity --kl-divergence` against the F32 reference, -c {last.get('ctx', '?')} "
+             f"× {last.get('n_chunks', '?')} chunks of held-out text of each domain (files never in the calibration "
+             "text); ± the standard error over chunks. Excess = KLD − the Q8_0 floor; each ratio divides the "
+             "written file's excess by a curve's at the same file size (log-linear between its two nearest files).", ""]
+    if plot_name:
+        lines += [f"![KLD vs file size]({plot_name})", ""]
+    for (calib, text), rs in groups(rows).items():
+        lines += _group(calib, text, rs)
+    lines += _transfer(rows) + _costs(costs)
+    return "\n".join(lines) + "\n"
+
+
+def _group(calib: str, text: str, rs: list[dict]) -> list[str]:
+    out = [f"## Calibration {calib}, eval text {text}", ""]
+    try:
+        t = targets(rs)
+    except ValueError as e:
+        return out + [f"({e})", ""]
     front = set(t["frontier"])
-    seeds = s.get("seeds") or [0]
-    lines = [
-        "# Voodoo vs stock llama.cpp recipes: quality", "",
-        "Reproduce:", "", "```", result["command"], "```", "",
-        f"- model: {s['model']} (de-gridded teacher, `make-teacher --degrid_seed {s['degrid_seed']}`); "
-        f"reference F32 GGUF PPL {_f(s.get('reference_ppl'), '.4f')}, original (gridded Q4_1) GGUF PPL "
-        f"{_f(s.get('original_ppl'), '.4f')} on the same text",
-        f"- imatrix: stock `llama-imatrix` on {s['calib_chunks']} × {s['ctx']} tokens of the train split "
-        "(the same for every method); stock and uniform (`--pure`) files quantized from the de-gridded F32 GGUF",
-        f"- eval: stock `llama-perplexity --kl-divergence` vs the F32 teacher, held-out plays (never used to tune "
-        f"or to search: the search measures on training sequences held aside), -c {s['ctx']}, {s['eval_chunks']} chunks; "
-        "± = standard error of the mean KLD over chunks",
-        f"- Voodoo: `voodoo train` defaults (gates and the guarantee; no search unless --train_args asks for one), {s['steps']} steps at seq_len "
-        f"{s['seq_len']}, seeds {', '.join(map(str, seeds))} at sizes {', '.join(map(str, s.get('seed_sizes') or [])) or '—'} "
-        f"(one seed elsewhere){'; extra flags `' + ' '.join(s.get('train_args') or []) + '`' if s.get('train_args') else ''}; "
-        f"menu `{' '.join(s['menu'])}`",
-        "- sensitivity = `voodoo train --method sensitivity` (one-shot knapsack on the Fisher ΔKL table, no training); "
-        "sensitivity_output = the same on the output-error table (`--sensitivity_kind output`)",
-        "",
-        "| file | method | size MB | bpw | PPL | KLD mean | ± | KLD p99 | KLD p99.9 | same top % | stock Pareto |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|:---:|",
-    ]
-    for r in sorted(rows, key=lambda r: r["size_bytes"]):
-        lines.append(
-            f"| {r['name']} | {r['method']} | {r['size_bytes'] / 1e6:.2f} | {_f(r.get('bpw'), '.3f')} | "
-            f"{_f(r.get('ppl'), '.4f')} | {_f(r.get('kld_mean'), '.6f')} | {_f(r.get('kld_stderr'), '.6f')} | "
-            f"{_f(r.get('kld_p99'), '.5f')} | {_f(r.get('kld_p999'), '.5f')} | {_f(r.get('same_top_p'), '.3f')} | "
-            f"{'✓' if r['name'] in front else ''} |")
-    lines += [
-        "", f"## Targets (floor: mean KLD of {t['floor_name']} = {t['floor_kld']:.6f})", "",
-        "excess = mean KLD − floor; Voodoo = mean over its seeds (min–max shown), ± its eval standard error. Each "
-        "ratio divides Voodoo's excess by a curve's excess at the same file size, linear in log KLD between the "
-        f"curve's two nearest files: stock Pareto frontier (≤ {TARGET_VS_STOCK}), knapsack (Fisher) curve "
-        f"(≤ {TARGET_VS_SENSITIVITY}), uniform (`--pure`) frontier (≤ {TARGET_VS_UNIFORM}). "
-        f"Mean KLD falls with every size step: {'yes' if t['monotone'] else 'NO'}.", "",
-        "Δ knapsack = Voodoo's KLD minus the Fisher knapsack file's at the same size percent, paired chunk by chunk "
-        "(± its standard error).", "",
-        "| size | MB | KLD (seeds: min–max) | ± | excess | vs stock | ≤ 0.5 | vs knapsack | ≤ 0.75 | Δ knapsack (paired) "
-        "| vs knapsack (output) | vs uniform | ≤ 1 | note |",
-        "|---|---:|---:|---:|---:|---:|:---:|---:|:---:|---:|---:|---:|:---:|---|",
-    ]
+    out += ["| file | made by | MB | bpw | PPL | KLD | ± | KLD p99 | same top % | stock Pareto |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|:---:|"]
+    for r in sorted(rs, key=lambda r: r["size_bytes"]):
+        out.append(f"| {_label(r)} | {r.get('made_by') or ''} | {r['size_bytes'] / 1e6:.2f} | {_f(r.get('bpw'), '.3f')} | "
+                   f"{_f(r.get('ppl'), '.4f')} | {r['kld_mean']:.6f} | {_f(r.get('kld_stderr'), '.6f')} | "
+                   f"{_f(r.get('kld_p99'), '.5f')} | {_f(r.get('same_top_p'), '.2f')} | {'✓' if r['name'] in front else ''} |")
+    out += ["", f"Floor {t['floor']:.6f}; the written file at {t['steps']} steps (seed mean). Mean KLD falls with "
+            f"every size: {'yes' if t['monotone'] else 'NO'}. Targets: ≤ {TARGET_VS_STOCK} of the stock frontier's "
+            f"excess; ≤ {TARGET_VS_KNAPSACK} of the compensated knapsack's at {LEARNED_SIZES[0]}–{LEARNED_SIZES[-1]}.", "",
+            "| size | MB | KLD (seeds) | ± | excess | vs stock | ≤ 0.5 | vs compensated knapsack | ≤ 0.85 | "
+            "− compensated knapsack, paired | vs Fisher knapsack | vs uniform | note |",
+            "|---|---:|---:|---:|---:|---:|:---:|---:|:---:|---:|---:|---:|---|"]
     for x in t["sizes"]:
         spread = f" ({x['kld_min']:.5f}–{x['kld_max']:.5f}, n={x['n_seeds']})" if x["n_seeds"] > 1 else ""
-        label = f"Voodoo{x['size_percent']}" + (" gptq" if x["method"].endswith("_gptq") else "")
-        lines.append(
-            f"| {label} | {x['size_bytes'] / 1e6:.2f} | {x['kld_mean']:.6f}{spread} | "
-            f"{_f(x['kld_stderr'], '.6f')} | {x['excess']:.6f} | {_f(x['ratio_vs_stock'], '.3f')} | "
-            f"{_yes(x['meets_stock_target'])} | {_f(x['ratio_vs_sensitivity'], '.3f')} | {_yes(x['meets_sensitivity_target'])} | "
-            f"{_paired(x.get('paired_vs_sensitivity'))} | {_f(x['ratio_vs_sensitivity_output'], '.3f')} | {_f(x['ratio_vs_uniform'], '.3f')} | "
-            f"{_yes(x['meets_uniform_target'])} | {x['note']} |")
-    g = [r for r in rows if r["method"] in ("voodoo", "voodoo_gptq") and r.get("guarantee")]
-    if g:
-        lines += ["", "## What the guarantee and the search did (held-aside calibration KL, not the eval text)", "",
-                  "| file | start (winner) | winner KL | gates' bake KL | best reference | search evals | moves kept | "
-                  "search's KL | confirmation split: drop ± s.e. | written KL |",
-                  "|---|---|---:|---:|---|---:|---:|---:|---|---:|"]
-        for r in sorted(g, key=lambda r: (r["size_percent"], r.get("seed") or 0)):
-            gg = r["guarantee"]
-            cands = {c["name"]: c for c in gg["candidates"]}
-            refs = [c for c in gg["candidates"] if not c["name"].startswith("gates")]
-            best_ref = min(refs, key=lambda c: c["kl"]) if refs else None
-            srch = gg.get("search") or {}
-            conf = srch.get("confirm")
-            conf_s = (f"{conf['drop']:+.6f} ± {conf['drop_stderr']:.6f} ({'kept' if conf['kept'] else 'start written'})"
-                      if conf else "—")
-            lines.append(
-                f"| {r['name']} | {gg['winner']} | {cands[gg['winner']]['kl']:.6f} | {_f(cands.get('gates', {}).get('kl'), '.6f')} | "
-                f"{best_ref['name'] + ' ' + format(best_ref['kl'], '.6f') if best_ref else '—'} | {srch.get('evals', 0)} | "
-                f"{len(srch.get('moves', []))} | {_f(srch.get('final_kl'), '.6f')} | {conf_s} | {gg['final_kl']:.6f} |")
-    return "\n".join(lines) + "\n"
+        out.append(f"| Voodoo{x['size']} | {x['size_bytes'] / 1e6:.2f} | {x['kld_mean']:.6f}{spread} | "
+                   f"{_f(x['kld_stderr'], '.6f')} | {x['excess']:.6f} | {_f(x['ratio_vs_stock'], '.3f')} | "
+                   f"{_yes(x['meets_stock'])} | {_f(x['ratio_vs_knapsack-gptq'], '.3f')} | {_yes(x['meets_knapsack'])} | "
+                   f"{_pm(x['paired_vs_knapsack'])} | {_f(x['ratio_vs_knapsack'], '.3f')} | {_f(x['ratio_vs_uniform'], '.3f')} | "
+                   f"{x['note']} |")
+    f = fair(rs)
+    if f:
+        out += ["", "The learned stage at more step counts and seeds (excess as a multiple of the compensated "
+                "knapsack's; the paired difference chunk by chunk):", "",
+                "| size | steps | seeds | KLD (min–max) | ± | vs compensated knapsack | − compensated knapsack, paired | made by |",
+                "|---|---:|---|---:|---:|---:|---:|---|"]
+        for x in f:
+            out.append(f"| Voodoo{x['size']} | {x['steps']} | {', '.join(map(str, x['seeds']))} | {x['kld_mean']:.6f} "
+                       f"({x['kld_min']:.5f}–{x['kld_max']:.5f}) | {_f(x['kld_stderr'], '.6f')} | "
+                       f"{_f(x['vs_knapsack'], '.3f')} | {_pm(x['paired_vs_knapsack'])} | "
+                       f"{', '.join(str(m) for m in x['made_by'])} |")
+    return out + [""]
+
+
+def _transfer(rows: Sequence[dict]) -> list[str]:
+    """The written file's excess against the stock frontier of the same calibration, per eval text:
+    how much of the gain over stock travels to the domain the calibration did not see."""
+    by = groups(rows)
+    if len({c for c, _ in by}) < 2:
+        return []
+    texts = sorted({t for _, t in by})
+    out = ["## Transfer: the written file's excess as a multiple of the stock frontier's", "",
+           "| calibration | size | " + " | ".join(f"on {t}" for t in texts) + " |",
+           "|---|---|" + "---:|" * len(texts)]
+    for calib in dict.fromkeys(c for c, _ in by):
+        per = {}
+        for t in texts:
+            try:
+                per[t] = {x["size"]: x["ratio_vs_stock"] for x in targets(by.get((calib, t), []))["sizes"]}
+            except ValueError:
+                per[t] = {}
+        for size in sorted({s for d in per.values() for s in d}):
+            out.append(f"| {calib} | Voodoo{size} | " + " | ".join(_f(per[t].get(size), ".3f") for t in texts) + " |")
+    return out + [""]
+
+
+def _costs(costs: Sequence[dict]) -> list[str]:
+    """Each step of the latest session: wall time and peak RSS (the process's so far, and the
+    largest finished stock tool's)."""
+    if not costs:
+        return []
+    last = max(costs, key=lambda c: c.get("date", "")).get("session")
+    rs = [c for c in costs if c.get("session") == last]
+    out = [f"## Cost (session {last}, {rs[0].get('cpus', '?')} CPUs)", "",
+           "| step | file | seconds | peak RSS MB (this process) | peak RSS MB (stock tools) |", "|---|---|---:|---:|---:|"]
+    for c in rs:
+        m = c.get("peak_rss_mb") or {}
+        out.append(f"| {c['step']} | {c.get('item') or ''} | {_f(c.get('seconds'), '.1f')} | "
+                   f"{_f(m.get('self'), '.0f')} | {_f(m.get('children'), '.0f')} |" + (f" {c['error']}" if c.get("error") else ""))
+    return out + [""]
 
 
 # -- plot --------------------------------------------------------------------------------------
 
-def plot(result: dict[str, Any], out: Path) -> Path:
-    """Mean KLD (log) against file size: stock and uniform files and the stock frontier, the
-    Voodoo (seed means, with their spread) and knapsack curves, the Q8_0 floor."""
+def plot(rows: Sequence[dict], out: Path) -> Path:
+    """Mean KLD (log) against file size, one panel per eval text of the main calibration: stock
+    files and their frontier, uniform files, the written file (seed means, spread) and the
+    knapsacks, the Q8_0 floor."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -262,38 +317,48 @@ def plot(result: dict[str, Any], out: Path) -> Path:
 
     from voodoo_quant import fileio
 
-    rows, t = result["rows"], result["targets"]
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for method, color, label in (("stock", "0.55", "stock llama-quantize"), ("uniform", "tab:green", "uniform (--pure)")):
-        pts = [r for r in rows if r["method"] == method]
-        if not pts:
-            continue
-        ax.scatter([r["size_bytes"] / 1e6 for r in pts], [r["kld_mean"] for r in pts], color=color, s=18, label=label)
-        for r in pts:
-            ax.annotate(r["name"].split(f"{'stock' if method == 'stock' else 'pure'}-")[-1].removesuffix(".gguf"),
-                        (r["size_bytes"] / 1e6, r["kld_mean"]), fontsize=6, color="0.35", xytext=(3, 2),
-                        textcoords="offset points")
-    front = pareto([r for r in rows if r["method"] == "stock"])
-    ax.plot([r["size_bytes"] / 1e6 for r in front], [r["kld_mean"] for r in front], color="0.3", lw=1, ls="--",
-            label="stock Pareto frontier")
-    for method, color, label in (("voodoo", "tab:red", "Voodoo (seed mean)"), ("sensitivity", "tab:blue", "knapsack (Fisher)"),
-                                 ("sensitivity_output", "tab:purple", "knapsack (output error)"),
-                                 ("voodoo_gptq", "tab:orange", "Voodoo, --error_compensation gptq"),
-                                 ("sensitivity_gptq", "tab:cyan", "knapsack (Fisher), gptq")):
-        pts = sorted(seed_means(rows, method), key=lambda r: r["size_bytes"])
-        if not pts:
-            continue
-        xs = [r["size_bytes"] / 1e6 for r in pts]
-        ax.plot(xs, [r["kld_mean"] for r in pts], marker="o", ms=3, color=color, label=label)
-        if any(r["n_seeds"] > 1 for r in pts):
-            ax.vlines(xs, [r["kld_min"] for r in pts], [r["kld_max"] for r in pts], color=color, lw=2, alpha=0.5)
-    ax.axhline(t["floor_kld"], color="0.6", lw=0.8, ls=":", label=f"floor ({t['floor_name']})")
-    ax.set_yscale("log")
-    ax.set_xlabel("file size (MB)")
-    ax.set_ylabel("mean KLD vs F32 teacher (log)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    by = groups(latest(rows))
+    calib = next(iter(by))[0]
+    panels = [(t, rs) for (c, t), rs in by.items() if c == calib]
+    fig, axes = plt.subplots(1, len(panels), figsize=(7.5 * len(panels), 5), squeeze=False)
+    for ax, (text, rs) in zip(axes[0], panels):
+        for method, color in (("stock", "0.55"), ("uniform", "tab:green")):
+            pts = [r for r in rs if r["method"] == method]
+            ax.scatter([r["size_bytes"] / 1e6 for r in pts], [r["kld_mean"] for r in pts], color=color, s=16,
+                       label=f"{method} llama-quantize" + (" --pure" if method == "uniform" else ""))
+            for r in pts:
+                ax.annotate(r["recipe"], (r["size_bytes"] / 1e6, r["kld_mean"]), fontsize=6, color="0.35",
+                            xytext=(3, 2), textcoords="offset points")
+        front = pareto([r for r in rs if r["method"] == "stock"])
+        ax.plot([r["size_bytes"] / 1e6 for r in front], [r["kld_mean"] for r in front], color="0.3", lw=1, ls="--",
+                label="stock Pareto frontier")
+        for method, color, label, steps in (
+                ("voodoo", "tab:red", "Voodoo: the written file (seed mean)", main_steps(rs)),
+                ("knapsack-gptq", "tab:cyan", "compensated knapsack", None), ("knapsack", "tab:blue", "Fisher knapsack", None)):
+            pts = curve(rs, method, steps)
+            if pts:
+                xs = [p["size_bytes"] / 1e6 for p in pts]
+                ax.plot(xs, [p["kld_mean"] for p in pts], marker="o", ms=3, color=color, label=label)
+                ax.vlines(xs, [p["kld_min"] for p in pts], [p["kld_max"] for p in pts], color=color, lw=2, alpha=0.5)
+        try:
+            ax.axhline(floor_row(rs)["kld_mean"], color="0.6", lw=0.8, ls=":", label=f"floor ({FLOOR})")
+        except ValueError:
+            pass
+        ax.set_yscale("log")
+        ax.set_title(f"eval: {text} (calibration: {calib})", fontsize=9)
+        ax.set_xlabel("file size (MB)")
+        ax.set_ylabel("mean KLD vs F32 reference (log)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
     fig.tight_layout()
-    fileio.write_with(out, lambda p: fig.savefig(p, format="png", dpi=120))
+    fileio.write_with(out, lambda p: fig.savefig(p, format="png", dpi=110))
     plt.close(fig)
     return Path(out)
+
+
+def write(rows: Sequence[dict], costs: Sequence[dict], md: Path, png: Path) -> Path:
+    """The Markdown report and its plot, beside each other."""
+    from voodoo_quant import fileio
+
+    plot(rows, png)
+    return fileio.write_text(md, markdown(rows, costs, png.name))

@@ -1,10 +1,16 @@
-"""bench/quality_report.py: stock Pareto frontier, log-KLD interpolation and the target ratios,
-on made-up rows (the benchmark itself runs stock tools for an hour and is not a test)."""
+"""bench/quality*.py: the benchmark driver on the product's ladder, its texts, its JSONL results and
+the report rendered from them.
+
+The report's numbers (frontier, log-KLD interpolation, target ratios, paired differences) are
+checked on made-up rows; the driver end to end on the tiny random model (slow: stock tools).
+"""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
+import json
 import math
+import shutil
 import sys
 from pathlib import Path
 
@@ -15,25 +21,30 @@ from voodoo_quant.tools.evaluate import stderr
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
+def _bench(name: str):
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    return importlib.import_module(name)
+
+
 @pytest.fixture(scope="module")
 def rep():
-    spec = importlib.util.spec_from_file_location("quality_report", BENCH / "quality_report.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["quality_report"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return _bench("quality_report")
 
 
-def _row(name, method, size, kld, pct=None, seed=None):
-    return {"name": name, "method": method, "size_bytes": size, "kld_mean": kld, "size_percent": pct, "seed": seed,
-            "bpw": 4.0, "ppl": 30.0, "kld_p99": 1.0, "kld_p999": 2.0, "same_top_p": 80.0, "kld_stderr": 0.001}
+def _row(name, method, size_bytes, kld, *, size=None, seed=None, steps=None, recipe=None, text="plays",
+         calib="plays+python", chunks=None):
+    return {"digest": f"{name}-{text}-{calib}", "name": name, "method": method, "size_bytes": size_bytes,
+            "kld_mean": kld, "size": size, "seed": seed, "steps": steps, "recipe": recipe, "text": text, "calib": calib,
+            "bpw": 4.0, "ppl": 30.0, "kld_p99": 1.0, "same_top_p": 80.0, "kld_stderr": 0.001,
+            "kld_chunks": chunks or [], "session": "s", "date": "2026-12-05T00:00:00+00:00"}
 
 
 STOCK = [
-    _row("s-A", "stock", 90e6, 0.20),
-    _row("s-B", "stock", 92e6, 0.25),  # dominated by A (bigger, worse)
-    _row("s-C", "stock", 100e6, 0.05),
-    _row("s-Q8", "stock", 145e6, 0.01),
+    _row("s-A", "stock", 90e6, 0.20, recipe="IQ2_M"),
+    _row("s-B", "stock", 92e6, 0.25, recipe="Q2_K"),  # dominated by A (bigger, worse)
+    _row("s-C", "stock", 100e6, 0.05, recipe="Q4_K_M"),
+    _row("s-Q8", "stock", 145e6, 0.01, recipe="Q8_0"),
 ]
 
 
@@ -53,92 +64,234 @@ def test_frontier_is_linear_in_log_kld(rep):
 
 def test_targets_ratios_use_seed_means_and_curves(rep):
     rows = STOCK + [
-        _row("v60a", "voodoo", 95e6, 0.03, 60, 0), _row("v60b", "voodoo", 95e6, 0.05, 60, 1),  # mean 0.04
-        _row("sens55", "sensitivity", 90e6, 0.10, 55), _row("sens65", "sensitivity", 100e6, 0.04, 65),
-        _row("pureA", "uniform", 88e6, 0.30), _row("pureB", "uniform", 110e6, 0.03),
-        _row("v55", "voodoo", 80e6, 0.15, 55, 0),
+        _row("v35a", "voodoo", 95e6, 0.03, size=35, seed=0, steps=50),
+        _row("v35b", "voodoo", 95e6, 0.05, size=35, seed=1, steps=50),  # mean 0.04
+        _row("k30", "knapsack-gptq", 90e6, 0.10, size=30), _row("k40", "knapsack-gptq", 100e6, 0.04, size=40),
+        _row("pureA", "uniform", 88e6, 0.30, recipe="Q3_K_S"), _row("pureB", "uniform", 110e6, 0.03, recipe="Q4_K_S"),
+        _row("v30", "voodoo", 80e6, 0.15, size=30, seed=0, steps=50),
     ]
-    t = rep.targets(rows, "s-Q8")
-    assert t["floor_kld"] == 0.01 and t["frontier"] == ["s-A", "s-C", "s-Q8"]
+    t = rep.targets(rows)
+    assert t["floor"] == 0.01 and t["frontier"] == ["s-A", "s-C", "s-Q8"] and t["steps"] == 50
     small, x = t["sizes"]
-    assert small["size_percent"] == 55 and small["ratio_vs_stock"] is None and "below" in small["note"]
+    assert small["size"] == 30 and small["ratio_vs_stock"] is None and "below every" in small["note"]
     assert x["n_seeds"] == 2 and x["kld_mean"] == pytest.approx(0.04) and x["kld_min"] == 0.03
     assert x["kld_stderr"] == pytest.approx(math.sqrt(2) * 0.001 / 2)
-    stock_excess = math.sqrt(0.20 * 0.05) - 0.01
-    assert x["ratio_vs_stock"] == pytest.approx(0.03 / stock_excess)
-    assert x["meets_stock_target"] is True  # 0.03 / 0.09 ≈ 0.33
-    assert x["ratio_vs_sensitivity"] == pytest.approx(0.03 / (math.sqrt(0.10 * 0.04) - 0.01))
+    assert x["ratio_vs_stock"] == pytest.approx(0.03 / (math.sqrt(0.20 * 0.05) - 0.01))
+    assert x["meets_stock"] is True  # 0.03 / 0.09 ≈ 0.33
+    assert x["ratio_vs_knapsack-gptq"] == pytest.approx(0.03 / (math.sqrt(0.10 * 0.04) - 0.01))
+    assert x["meets_knapsack"] is True  # 0.03 / 0.053 ≈ 0.57 at Voodoo35, where the learned stage's target holds
+    assert x["ratio_vs_knapsack"] is None  # no plain knapsack measured
+    # the uniform frontier holds the floor (Q8_0 is uniform) beside the --pure files
     uni = math.exp(math.log(0.30) + (95 - 88) / (110 - 88) * (math.log(0.03) - math.log(0.30)))
     assert x["ratio_vs_uniform"] == pytest.approx(0.03 / (uni - 0.01))
-    assert x["falls"] is True and t["monotone"] and not x["above_stock_frontier"]
-    md = rep.markdown({"rows": rows, "targets": t, "command": "python bench/quality.py --quick",
-                       "setup": {"model": "M", "degrid_seed": 0, "calib_chunks": 8, "ctx": 512, "eval_chunks": 4,
-                                 "steps": 5, "seq_len": 256, "menu": ["Q8_0"], "reference_ppl": 40.0,
-                                 "seeds": [0, 1], "seed_sizes": [60]}})
-    assert "python bench/quality.py --quick" in md and "| Voodoo60 | 95.00 | 0.040000 (0.03000–0.05000, n=2) |" in md
+    assert x["falls"] is True and t["monotone"] and not x["above_stock"]
 
 
-def test_targets_flag_a_size_that_does_not_improve_and_a_point_above_the_frontier(rep):
-    rows = STOCK + [_row("v60", "voodoo", 95e6, 0.15, 60, 0), _row("v65", "voodoo", 99e6, 0.16, 65, 0)]
-    t = rep.targets(rows, "s-Q8")
+def test_learned_stage_target_and_flags(rep):
+    rows = STOCK + [_row("v35", "voodoo", 95e6, 0.15, size=35, seed=0, steps=50),
+                    _row("v40", "voodoo", 99e6, 0.16, size=40, seed=0, steps=50),
+                    _row("k35", "knapsack-gptq", 95e6, 0.16, size=35)]
+    t = rep.targets(rows)
     a, b = t["sizes"]
-    assert a["above_stock_frontier"] and "ABOVE" in a["note"]
-    assert b["falls"] is False and "NOT below Voodoo60" in b["note"] and not t["monotone"]
-
-
-def test_targets_need_the_floor(rep):
+    assert a["above_stock"] and "ABOVE" in a["note"]
+    assert a["ratio_vs_knapsack-gptq"] == pytest.approx(0.14 / 0.15) and a["meets_knapsack"] is False
+    assert b["falls"] is False and "NOT below Voodoo35" in b["note"] and not t["monotone"]
     with pytest.raises(ValueError, match="floor"):
-        rep.targets(STOCK[:2], "s-Q8")
-
-
-def test_plot_writes_png(rep, tmp_path):
-    rows = STOCK + [_row("v60", "voodoo", 95e6, 0.04, 60, 0), _row("v60b", "voodoo", 95e6, 0.05, 60, 1)]
-    out = rep.plot({"rows": rows, "targets": rep.targets(rows, "s-Q8")}, tmp_path / "p.png")
-    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
-# -- bench/ablation.py: the table of training modes --------------------------------------------
-
-@pytest.fixture(scope="module")
-def abl():
-    sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location("ablation", BENCH / "ablation.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["ablation"] = mod  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_ablation_table_reports_excess_relative_to_the_defaults(abl):
-    rows = [
-        {"variant": "soft-warm", "size_percent": 55, "size_bytes": 82e6, "kld_mean": 0.105, "steps": 25},
-        {"variant": "ptqr", "size_percent": 55, "size_bytes": 81e6, "kld_mean": 0.055, "steps": 25},
-        {"variant": "ptqr", "size_percent": 70, "size_bytes": 104e6, "kld_mean": 0.04, "steps": 25},
-    ]
-    md = abl.markdown({"floor": {"kld_mean": 0.005}, "setup": {}, "command": "cmd", "rows": rows})
-    lines = {ln.split(" | ")[0].strip("| "): ln for ln in md.splitlines() if ln.startswith("| ")}
-    assert "| ptqr | 25 | 81.00 | 0.0550 | 0.500 | 104.00 | 0.0400 | – |" == lines["ptqr"]  # no default at V70: no ratio
-    assert "| 1.000 |" in lines["soft-warm"] and "– | – | –" in lines["soft-warm"]  # V70 default not measured
-    # table rows follow the variant list's order, not the measurement order
-    assert md.index("| soft-warm |") < md.index("| ptqr |")
-
-
-def test_ablation_refuses_unknown_variants(abl, tmp_path):
-    (tmp_path / "settings.json").write_text("{}")
-    with pytest.raises(SystemExit, match="unknown nope"):
-        abl.parse(["--base", str(tmp_path), "--variants", "ptqr,nope"])
+        rep.targets(STOCK[:2])
 
 
 def test_paired_difference_cancels_the_texts_spread(rep):
     """Two files whose per-chunk KLDs move together (hard and easy chunks) differ by a constant:
     the paired difference resolves it with a standard error far below either file's spread."""
     base = [0.05, 0.20, 0.08, 0.30, 0.11, 0.06]
-    knap = {**_row("k", "sensitivity", 89e6, sum(base) / 6, pct=60), "kld_chunks": base}
-    v0 = {**_row("v0", "voodoo", 89e6, 0.0, pct=60, seed=0), "kld_chunks": [x - 0.010 for x in base]}
-    v1 = {**_row("v1", "voodoo", 89e6, 0.0, pct=60, seed=1), "kld_chunks": [x - 0.012 + 0.001 * (i % 2) for i, x in enumerate(base)]}
-    rows = [knap, v0, v1]
-    mean = {"size_percent": 60, "names": ["v0", "v1"]}
-    d, se = rep.paired_difference(rows, mean, "sensitivity")
+    rows = STOCK + [
+        _row("k", "knapsack-gptq", 89e6, sum(base) / 6, size=30, chunks=base),
+        _row("v0", "voodoo", 89e6, 0.0, size=30, seed=0, steps=50, chunks=[x - 0.010 for x in base]),
+        _row("v1", "voodoo", 89e6, 0.0, size=30, seed=1, steps=50,
+             chunks=[x - 0.012 + 0.001 * (i % 2) for i, x in enumerate(base)]),
+        _row("v0s10", "voodoo", 89e6, 0.0, size=30, seed=0, steps=10, chunks=[x + 0.002 for x in base]),
+    ]
+    (x,) = rep.targets(rows)["sizes"]
+    d, se = x["paired_vs_knapsack"]
     assert d == pytest.approx(-0.01075, abs=1e-12)  # (−0.010 + −0.0115) / 2
     assert se < 0.001 < stderr(base)
-    assert rep.paired_difference(rows, {"size_percent": 70, "names": ["v0"]}, "sensitivity") is None
+    fair = rep.fair(rows)  # Voodoo30 at two step counts
+    assert [(f["steps"], f["n_seeds"]) for f in fair] == [(10, 1), (50, 2)]
+    assert fair[0]["paired_vs_knapsack"][0] == pytest.approx(0.002)
+
+
+def test_report_renders_groups_transfer_and_costs(rep, tmp_path):
+    rows = []
+    for calib, vk in (("plays+python", 0.03), ("python", 0.06)):
+        for text in ("plays", "python"):
+            rows += [{**r, "calib": calib, "text": text, "digest": f"{r['name']}-{calib}-{text}"} for r in STOCK]
+            rows.append(_row("v35", "voodoo", 95e6, vk, size=35, seed=0, steps=50, text=text, calib=calib))
+    rows[0] = {**rows[0], "command": ".venv/bin/python bench/quality.py run --max_minutes 150",
+               "date": "2026-12-06T00:00:00+00:00"}
+    costs = [{"step": "imatrix", "item": None, "seconds": 12.5, "peak_rss_mb": {"self": 900.0, "children": 10.0},
+              "session": "s", "date": "x", "cpus": 2}]
+    md = rep.write(rows, costs, tmp_path / "r.md", tmp_path / "r.png").read_text()
+    assert "bench/quality.py run --max_minutes 150" in md and "![KLD vs file size](r.png)" in md
+    assert md.index("## Calibration plays+python, eval text plays") < md.index("## Calibration python, eval text plays")
+    assert "| Voodoo35 | 95.00 | 0.030000 |" in md
+    transfer = md.split("## Transfer")[1].split("##")[0]
+    stock_excess = math.sqrt(0.20 * 0.05) - 0.01
+    assert f"| python | Voodoo35 | {0.05 / stock_excess:.3f} | {0.05 / stock_excess:.3f} |" in transfer
+    assert "| imatrix |  | 12.5 | 900 | 10 |" in md
+    assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # a row measured again (same digest) replaces the earlier one
+    assert len(rep.latest(rows + [{**rows[-1], "kld_mean": 0.5}])) == len(rows)
+
+
+# -- texts -------------------------------------------------------------------------------------
+
+def test_domain_split_never_puts_a_held_out_file_into_calibration(tmp_path):
+    qt = _bench("quality_texts")
+    domains = {n: qt.domain(n) for n in qt.DOMAINS}
+    texts = qt.build_texts(domains, ("plays", "python"), tmp_path / "a", calib_chars=150_000, eval_chars=60_000)
+    pieces = [json.loads(ln)["text"] for ln in texts.calib.read_text().splitlines()]
+    owner = []  # the domain each calibration piece comes from
+    for name, d in domains.items():
+        files = dict(qt.domain_files(d))
+        cal, held = texts.split[name]["calib"], texts.split[name]["held_out"]
+        assert set(cal).isdisjoint(held) and set(cal) | set(held) == set(files) and held
+        assert not any(p.startswith(("site-packages/", "test/", "encodings/")) for p in files)
+        held_text = "\n".join(files[f] for f in held)
+        calib_text = "\n".join(files[f] for f in cal)
+        mine = [i for i, p in enumerate(pieces) if p in calib_text]
+        owner += [(i, name) for i in mine]
+        assert mine and all(pieces[i] not in held_text for i in mine)  # calibration files' text only
+        ev = texts.eval_pieces[name]
+        assert texts.evals[name].read_text() == "\n\n".join(ev) and len(ev) > 5
+        assert all(p in held_text and p not in calib_text for p in ev)  # held-out files' text only
+    # every calibration piece is a piece of a calibration file, and the domains alternate
+    assert sorted(i for i, _ in owner) == list(range(len(pieces)))
+    assert [n for _, n in sorted(owner)][:6] == ["plays", "python"] * 3
+    again = qt.build_texts(domains, ("plays", "python"), tmp_path / "b", calib_chars=150_000, eval_chars=60_000)
+    assert (again.calib_sha256, again.eval_sha256) == (texts.calib_sha256, texts.eval_sha256)
+    one = qt.build_texts(domains, ("python",), tmp_path / "c", calib_chars=150_000, eval_chars=60_000)
+    assert one.eval_sha256 == texts.eval_sha256 and one.calib_sha256 != texts.calib_sha256
+
+
+# -- results file, plan, command line ----------------------------------------------------------
+
+def test_results_file_appends_whole_lines(tmp_path):
+    store = _bench("quality_rows")
+    p = tmp_path / "r.jsonl"
+    store.append_rows(p, [{"a": 1}])
+    store.append_rows(p, [{"b": "é"}, {"c": [1, 2]}])
+    assert store.read_rows(p) == [{"a": 1}, {"b": "é"}, {"c": [1, 2]}]
+    assert store.cost_path(p).name == "r.cost.jsonl" and not list(tmp_path.glob(".*"))  # no temp file left
+    p.write_text(p.read_text() + "{half")
+    with pytest.raises(ValueError, match=r"r.jsonl:4 is not a JSON line"):
+        store.read_rows(p)
+    assert len(store.llama_cpp_commit()) == 40
+
+
+def test_plan_order_and_command_line(tmp_path):
+    q = _bench("quality")
+    tiny_llama_hf_dir = tmp_path / "Tiny"  # parsing looks for the checkpoint's config.json only
+    tiny_llama_hf_dir.mkdir()
+    (tiny_llama_hf_dir / "config.json").write_text("{}")
+    what, (cfg, _) = q.parse(["run", "--model", str(tiny_llama_hf_dir), "--sizes", "min", "30,35", "45",
+                               "--fair_sizes", "30", "--steps", "50", "10", "--seeds", "0", "1", "--stock", "Q4_K_M",
+                               "--uniform", "Q4_K_S", "--train_args", "--lr 0.3"])
+    assert what == "run" and cfg.sizes == ("min", 30, 35, 45) and cfg.stock == ("Q8_0", "Q4_K_M")
+    assert cfg.name == tiny_llama_hf_dir.name and cfg.train_extra == {"lr": 0.3}
+    labels = [i.label for i in q.plan(cfg, (30, 35, 45))]
+    assert labels == ["stock-Q8_0", "Voodoo30-s50-seed0", "Voodoo35-s50-seed0", "Voodoo45-s50-seed0", "stock-Q4_K_M",
+                      "Voodoo30-knapsack-gptq", "Voodoo35-knapsack-gptq", "Voodoo45-knapsack-gptq",
+                      "Voodoo30-knapsack", "Voodoo35-knapsack", "Voodoo45-knapsack", "uniform-Q4_K_S",
+                      "Voodoo30-s50-seed1", "Voodoo30-s10-seed0"]
+    v = q.Item("knapsack", size=30).variant({"lr": 0.3})
+    assert v.train == {"lr": 0.3, "method": "sensitivity", "error_compensation": "none"}
+    with pytest.raises(SystemExit, match="--fair_sizes"):
+        q.parse(["run", "--model", str(tiny_llama_hf_dir), "--sizes", "30", "--fair_sizes", "35"])
+    with pytest.raises(SystemExit, match="--methods: unknown gates"):
+        q.parse(["run", "--model", str(tiny_llama_hf_dir), "--methods", "gates"])
+
+
+# -- the driver end to end on the tiny model -----------------------------------------------------
+
+def _cfg(q, model, tmp, results, **kw):
+    base = dict(model=model, name="Tiny", results=results, work=tmp / "work", sizes=(60,), methods=("voodoo",),
+                stock=("Q4_0",), uniform=("Q5_0",), steps=(2,), seeds=(0,), fair_sizes=(), calib_chars=20_000,
+                eval_chars=8000, seq_len=64, calib_sequences=4, ctx=128, chunks=2, threads=2)
+    return q.BenchConfig(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def tiny_bench(tmp_path_factory, tiny_llama_hf_dir):
+    q = _bench("quality")
+    tmp = tmp_path_factory.mktemp("bench")
+    results = tmp / "results" / "tiny.jsonl"
+    summary = q.Bench(_cfg(q, tiny_llama_hf_dir, tmp, results), "cmd", log=lambda s: None).run()
+    return q, tmp, results, summary
+
+
+@pytest.mark.slow
+def test_bench_rows_then_a_rerun_adds_nothing_and_runs_nothing(tiny_bench, tiny_llama_hf_dir):
+    q, tmp, results, first = tiny_bench
+    rows = [json.loads(ln) for ln in results.read_text().splitlines()]
+    # floor, written file, stock, uniform: each on both eval texts
+    assert first.added == 8 == len(rows) and not first.failed and not first.stopped
+    assert {(r["method"], r["text"]) for r in rows} == {(m, t) for m in ("stock", "voodoo", "uniform")
+                                                        for t in ("plays", "python")}
+    for r in rows:
+        assert r["size_bytes"] > 0 and r["kld_mean"] >= 0 and r["n_chunks"] == 2 and len(r["digest"]) == 24
+        assert r["config"]["eval"]["text"] == r["text"] and r["versions"]["llama.cpp"] and r["command"] == "cmd"
+        assert r["peak_rss_mb"]["self"] > 0
+    made = {r["method"]: r for r in rows if r["text"] == "plays"}
+    assert made["voodoo"]["made_by"] and made["voodoo"]["compensation"] == "gptq"  # the default: compensated
+    assert "train-Voodoo60-s2-seed0" in made["voodoo"]["make_seconds"]
+    assert "pure-Q5_0" in made["uniform"]["make_seconds"]
+    costs = [json.loads(ln) for ln in (results.parent / "tiny.cost.jsonl").read_text().splitlines()]
+    assert {"imatrix", "reference", "eval-base-plays", "train-Voodoo60-s2-seed0"} <= {c["step"] for c in costs}
+    assert {p.name for p in (tmp / "work").rglob("*.gguf")} == {"Tiny.F32.gguf", "imatrix.gguf"}  # files deleted
+    before = results.read_bytes()
+    again = q.Bench(_cfg(q, tiny_llama_hf_dir, tmp, results), "cmd", log=lambda s: None).run()
+    assert (again.added, again.present, again.steps_ran) == (0, 8, []) and results.read_bytes() == before
+
+
+@pytest.mark.slow
+def test_bench_a_changed_setting_adds_rows_and_the_report_needs_only_the_jsonl(tiny_bench, tiny_llama_hf_dir, tmp_path):
+    q, tmp, results, _ = tiny_bench
+    s = q.Bench(_cfg(q, tiny_llama_hf_dir, tmp, results, steps=(3,)), "cmd", log=lambda s: None).run()
+    assert (s.added, s.present) == (2, 6)  # only the written file depends on the steps
+    assert [x for x in s.steps_ran if x.startswith(("train", "stock", "pure"))] == ["train-Voodoo60-s3-seed0"]
+    alone = tmp_path / "alone" / "tiny.jsonl"  # the results file by itself, nothing else beside it
+    alone.parent.mkdir()
+    shutil.copy(results, alone)
+    md = Path(q.render(alone)).read_text()
+    assert "## Calibration plays+python, eval text python" in md and (alone.parent / "tiny.png").stat().st_size > 0
+    assert "Voodoo60 voodoo (3 steps, seed 0)" in md and "Voodoo60 voodoo (2 steps, seed 0)" in md
+
+
+@pytest.mark.slow
+def test_bench_stops_between_files_when_the_budget_is_spent(tiny_bench, tiny_llama_hf_dir):
+    q, tmp, _, _ = tiny_bench
+    results = tmp / "budget" / "tiny.jsonl"
+
+    def clock() -> float:  # time stands still until the first file's rows are in, then jumps past the budget
+        return 1e9 if results.is_file() and len(results.read_text().splitlines()) >= 2 else 0.0
+
+    s = q.Bench(_cfg(q, tiny_llama_hf_dir, tmp, results, max_minutes=5), "cmd", clock=clock, log=lambda s: None).run()
+    rows = [json.loads(ln) for ln in results.read_text().splitlines()]
+    assert s.stopped and s.added == 2 and [r["name"] for r in rows] == ["Tiny.stock-Q8_0.gguf"] * 2
+    assert s.left == ["Voodoo60-s2-seed0", "stock-Q4_0", "uniform-Q5_0"]
+
+
+def test_a_variant_overrides_train_settings_but_not_the_ladders():
+    from voodoo_quant.errors import ConfigError
+    from voodoo_quant.tools.quantize import Variant
+    from voodoo_quant.training.config import TrainConfig
+
+    t = Variant("knapsack", {"method": "sensitivity", "error_compensation": "none"}).apply(
+        TrainConfig(model="m", compression_ratio=0.5, seed=3))
+    assert (t.method, t.compensation, t.seed, t.compression_ratio) == ("sensitivity", "none", 3, 0.5)
+    with pytest.raises(ConfigError, match="belong to the ladder"):
+        Variant("x", {"compression_ratio": 0.3})
+    with pytest.raises(ConfigError, match="unknown train settings nope"):
+        Variant("x", {"nope": 1})
+    with pytest.raises(ConfigError, match="letters, digits"):
+        Variant("a/b")

@@ -263,11 +263,29 @@ def detokenize(eval_tokens: Path, tokenizer_source: str | Path, out: Path) -> Pa
     return fileio.write_text(out, tok.decode(tokens.reshape(-1).tolist()))
 
 
-def _common_args(cfg: GGUFEvalConfig) -> list[str]:
-    args = ["-c", str(cfg.ctx), "-t", str(cfg.threads or envs.quant_workers())]
-    if cfg.chunks is not None:
-        args += ["--chunks", str(cfg.chunks)]
-    return args
+def perplexity_args(ctx: int, chunks: int | None, threads: int | None) -> list[str]:
+    """``-c``, ``-t`` and ``--chunks`` of every llama-perplexity run of one evaluation."""
+    args = ["-c", str(ctx), "-t", str(threads or envs.quant_workers())]
+    return args + (["--chunks", str(chunks)] if chunks is not None else [])
+
+
+def kld_base(reference: Path, text: Path, base: Path, args: Sequence[str]) -> float:
+    """The reference's log-probs on `text`, written atomically to `base`
+    (``--kl-divergence-base``); returns the reference's PPL."""
+    out: dict[str, str] = {}
+    fileio.write_with(base, lambda tmp: out.update(text=run_tool(
+        "llama-perplexity", ["-m", reference, "-f", text, "--kl-divergence-base", tmp, *args]).output))
+    return parse_final_ppl(out["text"])
+
+
+def kld_file(f: Path, base: Path, args: Sequence[str]) -> tuple[EvalRow, list[float]]:
+    """One GGUF against the base log-probs: its row, and each chunk's mean KLD (:func:`chunk_klds`:
+    what a paired comparison of two files on the same chunks needs)."""
+    run = run_tool("llama-perplexity", ["-m", f, "--kl-divergence-base", base, "--kl-divergence", *args])
+    data_bytes, n_weights = gguf_tensor_stats(f)
+    row = EvalRow(name=f.name, size_bytes=f.stat().st_size, bpw=8.0 * data_bytes / n_weights,
+                  **parse_kld_report(run.output))
+    return row, chunk_klds(run.output)
 
 
 def evaluate_ggufs(cfg: GGUFEvalConfig, progress: bool = True) -> dict[str, Any]:
@@ -281,14 +299,11 @@ def evaluate_ggufs(cfg: GGUFEvalConfig, progress: bool = True) -> dict[str, Any]
         rows: list[EvalRow] = []
         with Progress(disable=not progress, transient=True) as bar:
             task = bar.add_task("llama-perplexity", total=len(cfg.files) + 1)
-            run = run_tool("llama-perplexity", ["-m", cfg.reference, "-f", text, "--kl-divergence-base", base, *_common_args(cfg)])
-            ref_ppl = parse_final_ppl(run.output)
+            args = perplexity_args(cfg.ctx, cfg.chunks, cfg.threads)
+            ref_ppl = kld_base(cfg.reference, text, base, args)
             bar.advance(task)
             for f in cfg.files:
-                run = run_tool("llama-perplexity", ["-m", f, "--kl-divergence-base", base, "--kl-divergence", *_common_args(cfg)])
-                stats = parse_kld_report(run.output)
-                data_bytes, n_weights = gguf_tensor_stats(f)
-                rows.append(EvalRow(name=f.name, size_bytes=f.stat().st_size, bpw=8.0 * data_bytes / n_weights, **stats))
+                rows.append(kld_file(f, base, args)[0])
                 bar.advance(task)
     result = {
         "reference": {"file": str(cfg.reference), "ppl": ref_ppl},

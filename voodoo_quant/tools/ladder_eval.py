@@ -14,17 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from .. import fileio
-from .evaluate import EvalRow, detokenize, parse_final_ppl, parse_kld_report, plot_pareto
-from .llama_tools import gguf_tensor_stats, run_tool
+from .evaluate import EvalRow, detokenize, kld_base, kld_file, perplexity_args, plot_pareto
 from .manifest import digest
 
 
 def _args(ladder) -> list[str]:
-    c = ladder.cfg
-    a = ["-c", str(c.eval_ctx), "-t", str(ladder.pre.threads)]
-    if c.eval_chunks is not None:
-        a += ["--chunks", str(c.eval_chunks)]
-    return a
+    return perplexity_args(ladder.cfg.eval_ctx, ladder.cfg.eval_chunks, ladder.pre.threads)
 
 
 def evaluate_ladder(ladder, files: list[tuple[Path, str, int | None]]) -> dict[str, Any]:
@@ -39,10 +34,7 @@ def evaluate_ladder(ladder, files: list[tuple[Path, str, int | None]]) -> dict[s
 
     def make_base() -> None:
         detokenize(ladder.data_dir / "eval_tokens.pt", ladder.teacher_hf, text)
-        out: dict[str, str] = {}
-        fileio.write_with(base, lambda tmp: out.update(text=run_tool(
-            "llama-perplexity", ["-m", ladder.reference, "-f", text, "--kl-divergence-base", tmp, *_args(ladder)]).output))
-        fileio.write_json(info, {"reference_ppl": parse_final_ppl(out["text"])})
+        fileio.write_json(info, {"reference_ppl": kld_base(ladder.reference, text, base, _args(ladder))})
 
     ladder.step("eval-reference", {"base": base_key}, lambda: [base, info, text], make_base)
     ref_ppl = fileio.read_json(info, what="eval base record")["reference_ppl"]
@@ -54,11 +46,7 @@ def evaluate_ladder(ladder, files: list[tuple[Path, str, int | None]]) -> dict[s
         src_step = f"export-Voodoo{size}" if method == "voodoo" else f"stock-{f.stem.rsplit('.stock-', 1)[-1]}"
 
         def measure(f=f, row_path=row_path) -> None:
-            run = run_tool("llama-perplexity", ["-m", f, "--kl-divergence-base", base, "--kl-divergence", *_args(ladder)])
-            data_bytes, n_weights = gguf_tensor_stats(f)
-            row = EvalRow(name=f.name, size_bytes=f.stat().st_size, bpw=8.0 * data_bytes / n_weights,
-                          **parse_kld_report(run.output))
-            fileio.write_json(row_path, asdict(row))
+            fileio.write_json(row_path, asdict(kld_file(f, base, _args(ladder))[0]))
 
         # "v": the row's fields (2: with kld_stderr); a row of an older version is measured again.
         ladder.step(step, {"base": base_key, "file": ladder.keys[src_step], "v": 2}, lambda row_path=row_path: [row_path],

@@ -24,15 +24,17 @@ from __future__ import annotations
 
 import logging
 import shutil
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from .. import fileio
 from ..errors import ConfigError
 from ..menus import MenuConfig
 from ..training.config import TrainConfig
 from .manifest import Clock, Manifests, digest
+from .variant import Variant
 
 log = logging.getLogger(__name__)
 
@@ -341,37 +343,47 @@ class Ladder:
 
         self.step("candidate-cache", inputs, lambda: [marker], body)
 
-    def train(self, size: int) -> None:
+    def run_name(self, size: int, variant: Variant | None = None) -> str:
+        """``Voodoo<NN>``, or ``Voodoo<NN>-<variant>``: the run's folder and its steps' names."""
+        return f"Voodoo{size}" + (f"-{variant.name}" if variant is not None else "")
+
+    def train(self, size: int, variant: Variant | None = None) -> None:
         from ..hessian_store import FILE as HESSIANS_FILE
         from ..training.sensitivity import TABLE_NAME
 
-        run = self.work / "runs" / f"Voodoo{size}"
+        name = self.run_name(size, variant)
+        run = self.work / "runs" / name
         tcfg = self.cfg.train_config(size, self.teacher_hf, self.data_dir, self.imatrix, run)
+        if variant is not None:
+            tcfg = variant.apply(tcfg)
         skip = ("model", "data_dir", "imatrix", "output_dir", *TrainConfig.OUTPUT_NEUTRAL)
         settings = {k: v for k, v in tcfg.to_dict().items() if k not in skip}
         inputs = {"teacher": self.keys["make-teacher"], "data": self.keys["data"], "imatrix": self.keys["imatrix"],
                   "train": settings}
-        shared = self.work / TABLE_NAME
+        # One sensitivity table per compensation and seed (its key holds both): variants that
+        # alternate between them do not recompute each other's.
+        home = self.work if variant is None else self.work / "variants" / f"{tcfg.compensation}-seed{tcfg.seed}"
+        shared = home / TABLE_NAME
 
         def stale() -> None:  # the old run's journal and outputs were made from other inputs
             for f in ("partial.pt", "assignment.json", "tensor-types.txt", "train_log.jsonl", tcfg.output_name):
                 (run / f).unlink(missing_ok=True)
 
         def body() -> None:
-            for name in (TABLE_NAME, HESSIANS_FILE):  # made once for the ladder; the trainer checks each key
-                if (self.work / name).is_file() and not (run / name).is_file():
-                    fileio.copy_file(self.work / name, run / name)
+            for src in (shared, self.work / HESSIANS_FILE):  # made once for the ladder; the trainer checks each key
+                if src.is_file() and not (run / src.name).is_file():
+                    fileio.copy_file(src, run / src.name)
             _, cache = run_training(tcfg, self.ui.advance,
                                     self._teacher_cache_dir() if self.cfg.share_teacher_forward else None)
             if cache is not None:
-                self.notes[f"train-Voodoo{size}"] = (f"teacher forward from the cache for {cache.hits} of "
-                                                     f"{cache.hits + cache.misses} batches")
+                self.notes[f"train-{name}"] = (f"teacher forward from the cache for {cache.hits} of "
+                                               f"{cache.hits + cache.misses} batches")
             if (run / TABLE_NAME).is_file():  # also when this size extended its curvature to more rungs
                 fileio.write_bytes(shared, (run / TABLE_NAME).read_bytes())
             if (run / HESSIANS_FILE).is_file() and not (self.work / HESSIANS_FILE).is_file():
                 fileio.copy_file(run / HESSIANS_FILE, self.work / HESSIANS_FILE)
 
-        self.step(f"train-Voodoo{size}", inputs, lambda: [run / "assignment.json", run / "tensor-types.txt"], body,
+        self.step(f"train-{name}", inputs, lambda: [run / "assignment.json", run / "tensor-types.txt"], body,
                   total=tcfg.max_steps, on_stale=stale)
 
     def _teacher_cache_dir(self) -> Path:
@@ -380,30 +392,37 @@ class Ladder:
                                                                        "base_checkpoint", "teacher_device")}})
         return self.work / "teacher_hidden" / key
 
-    def export(self, size: int) -> Path:
+    def export(self, size: int, variant: Variant | None = None) -> Path:
         from .export import ExportConfig, export
 
-        run = self.work / "runs" / f"Voodoo{size}"
-        ecfg = ExportConfig(model=self.teacher_hf, assignment=run / "assignment.json", output_dir=self.cfg.output_dir,
-                            imatrix=self.imatrix, size_percent=size, model_name=self.cfg.model_name, overwrite=True)
-        path = self.cfg.output_dir / ecfg.file_name()
+        name = self.run_name(size, variant)
+        run = self.work / "runs" / name
+        where = {"output_dir": self.cfg.output_dir} if variant is None else {
+            "output_dir": self.work / "variants", "output_name": f"{self.cfg.model_name}.{name}.gguf"}
+        ecfg = ExportConfig(model=self.teacher_hf, assignment=run / "assignment.json", imatrix=self.imatrix,
+                            size_percent=size, model_name=self.cfg.model_name, overwrite=True, **where)
+        path = ecfg.output_dir / ecfg.file_name()
         ttf = path.with_name(path.stem + ".tensor-types.txt")
-        inputs = {"train": self.keys[f"train-Voodoo{size}"], "teacher": self.keys["make-teacher"],
+        inputs = {"train": self.keys[f"train-{name}"], "teacher": self.keys["make-teacher"],
                   "imatrix": self.keys["imatrix"], "name": path.name}
-        self.step(f"export-Voodoo{size}", inputs, lambda: [path, ttf], lambda: export(ecfg))
+        self.step(f"export-{name}", inputs, lambda: [path, ttf], lambda: export(ecfg))
         return path
 
-    def stock_file(self, recipe: str) -> Path:
-        return self.work / "stock" / f"{self.cfg.model_name}.stock-{recipe}.gguf"
+    def stock_file(self, recipe: str, pure: bool = False) -> Path:
+        return self.work / "stock" / f"{self.cfg.model_name}.{'pure' if pure else 'stock'}-{recipe}.gguf"
 
-    def stock(self, recipe: str) -> Path:
+    def stock(self, recipe: str, pure: bool = False) -> Path:
+        """``llama-quantize --imatrix`` of the reference to `recipe`; `pure` (``--pure``): the
+        recipe's main type on every tensor, a uniform file."""
         from .llama_tools import run_tool
 
-        f = self.stock_file(recipe)
+        f = self.stock_file(recipe, pure)
         threads = str(self.pre.threads)
         inputs = {"reference": self.keys["reference"], "imatrix": self.keys["imatrix"], "recipe": recipe}
-        self.step(f"stock-{recipe}", inputs, lambda: [f], lambda: fileio.write_with(f, lambda tmp: run_tool(
-            "llama-quantize", ["--imatrix", self.imatrix, self.reference, tmp, recipe, threads])))
+        flags = ["--pure"] if pure else []
+        self.step(f"{'pure' if pure else 'stock'}-{recipe}", {**inputs, **({"pure": True} if pure else {})}, lambda: [f],
+                  lambda: fileio.write_with(f, lambda tmp: run_tool(
+                      "llama-quantize", [*flags, "--imatrix", self.imatrix, self.reference, tmp, recipe, threads])))
         return f
 
     def evaluate(self, files: list[tuple[Path, str, int | None]]) -> dict[str, Any]:
@@ -455,6 +474,17 @@ def step_count(cfg: QuantizeConfig) -> int:
     if cfg.eval:
         n += 2 * len(cfg.stock) + 1 + len(cfg.sizes)  # stock files, the eval base, one eval per file
     return n
+
+
+@contextmanager
+def open_ladder(cfg: QuantizeConfig, *, progress: bool = False) -> Iterator[Ladder]:
+    """A ladder whose steps the caller runs in its own order (benchmarks: variants, uniform
+    files, evaluations of their own), after the same preflight as :func:`quantize`."""
+    from .preflight import preflight
+
+    pre = preflight(cfg)
+    with _Display(progress, step_count(cfg)) as ui:
+        yield Ladder(cfg, ui, pre)
 
 
 def quantize(cfg: QuantizeConfig, *, progress: bool = True) -> QuantizeResult:
