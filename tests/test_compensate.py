@@ -141,6 +141,25 @@ def test_cache_builds_the_compensated_bytes(tmp_path):
         assert got != ggml.lib().quantize(W, q, imx)
 
 
+def test_an_in_process_build_drops_the_factors_it_kept(tmp_path, monkeypatch):
+    """The factors are kept for a tensor's next type; once a build in this process is over they
+    are dropped, or a run with one quantization process would hold them through its training."""
+    from voodoo_quant import compensate
+    from voodoo_quant.precache import CandidateJob, build_all
+
+    W, _, H, _ = _problem(rows=16, n=256, tokens=1024, seed=6)
+    c = Compensation(H, 0.1)
+    compensate.release_factors()  # what earlier tests in this process left
+    kept = []
+    real = compensate.compensated_matrix
+    monkeypatch.setattr(compensate, "compensated_matrix",
+                        lambda *a, **k: (kept.append(len(compensate._FACTORS)), real(*a, **k))[1])
+    build_all([CandidateJob("w", "Q5_0", matrix=W, compensation=c), CandidateJob("w", "Q4_0", matrix=W, compensation=c)],
+              CandidateCache(tmp_path), workers=1, progress=False)
+    assert kept == [0, 1]  # the second type reused the first's factor
+    assert not compensate._FACTORS
+
+
 def test_quant_inputs_are_the_vectors_plus_compensations():
     c = Compensation(np.eye(4, dtype=np.float32))
     qi = QuantInputs({"blk.0.attn_q.weight": np.ones(4, np.float32)}, {"model.x.weight": c})
@@ -160,8 +179,13 @@ def test_hessians_file_round_trip_and_refusals(tmp_path):
     assert np.array_equal(got["a"], H) and got["b"] is got["a"] and np.array_equal(got["c"], H + 1)
     assert set(load_file(str(p))) == {"a", "c"}  # a plain safetensors file; a shared input stored once
     assert read_key(p) == "k1" and load_hessians(p, key="k2") is None
-    with pytest.raises(QuantizationInputError, match="declared"):  # out of the declared order
-        write_hessians(tmp_path / "x.safetensors", {"a": 4, "c": 4}, {}, "k", iter([("c", H), ("a", H)]))
+    # in any order (a layer-by-layer collection gives the head's last): each at its offset, the same file
+    write_hessians(tmp_path / "y.safetensors", {"a": 4, "c": 4}, {"b": "a"}, "k1", iter([("c", H + 1), ("a", H)]))
+    assert (tmp_path / "y.safetensors").read_bytes() == p.read_bytes()
+    with pytest.raises(QuantizationInputError, match="not declared, or is written twice"):
+        write_hessians(tmp_path / "x.safetensors", {"a": 4, "c": 4}, {}, "k", iter([("c", H), ("c", H)]))
+    with pytest.raises(QuantizationInputError, match="not declared"):
+        write_hessians(tmp_path / "x.safetensors", {"a": 4, "c": 4}, {}, "k", iter([("a", H), ("b", H)]))
     with pytest.raises(QuantizationInputError, match="never written"):
         write_hessians(tmp_path / "x.safetensors", {"a": 4, "c": 4}, {}, "k", iter([("a", H)]))
     with pytest.raises(QuantizationInputError, match="shared"):
@@ -354,13 +378,13 @@ def test_a_finalize_records_the_compensation_its_candidates_had(gate_model_dir, 
     assert fin.assignment.to_dict()["tensors"] == res.assignment.to_dict()["tensors"]
 
 
-def test_auto_compensation_is_gptq_where_the_float_model_is_read_whole():
+def test_auto_compensation_is_gptq_in_one_process():
     from voodoo_quant.errors import ConfigError
     from voodoo_quant.training.config import TrainConfig
 
     assert TrainConfig(model="m", compression_ratio=0.6).error_compensation == "auto"
     assert TrainConfig(model="m", compression_ratio=0.6).compensation == "gptq"
-    assert TrainConfig(model="m", compression_ratio=0.6, lazy=True).compensation == "none"  # layer by layer: no whole-model forward
+    assert TrainConfig(model="m", compression_ratio=0.6, lazy=True).compensation == "gptq"  # collected layer by layer
     assert TrainConfig(model="m", compression_ratio=0.6, tensor_parallel=2).compensation == "none"
     assert TrainConfig(model="m", compression_ratio=0.6, error_compensation="none").compensation == "none"
     with pytest.raises(ConfigError, match="tensor_parallel"):

@@ -199,7 +199,6 @@ def test_the_hessians_of_error_compensation_are_planned_on_the_host(gate_model_d
             "--compression_ratio", "0.6", "--seq_len", "64"]
     plain, comp = _mem(base + ["--error_compensation", "none"]), _mem(base)  # auto: gptq, the model read whole
     assert _mem(base + ["--error_compensation", "gptq"]).host_total == comp.host_total
-    assert not any(t.name.startswith("Hessians") for t in _mem(base + ["--lazy"]).host)  # auto: none under --lazy
     assert not any(t.name.startswith("Hessians") for t in plain.host)
     held = next(t.bytes for t in comp.host if t.name.startswith("Hessians"))
     lin = [m for m in load_model(str(gate_model_dir / "model")).modules() if isinstance(m, torch.nn.Linear)]
@@ -216,3 +215,44 @@ def test_the_hessians_of_error_compensation_are_planned_on_the_host(gate_model_d
     monkeypatch.setenv("VOODOO_QUANT_WORKERS", "1")
     one = next(t.bytes for t in _mem(base).host if t.name.startswith("Hessians"))
     assert one == max(collect, sum(k * k * 8 for k in n) + 3 * max(n) ** 2 * 8)
+
+
+def test_the_layer_by_layer_hessians_of_a_lazy_run_are_planned_as_their_own_phase(gate_model_dir, tmp_path,
+                                                                                     monkeypatch):
+    """--lazy collects the Hessians one decoder layer at a time before anything is loaded
+    (training/layer_hessians.py): the stored hidden states of the calibration sequences, one
+    float32 layer and its n² accumulators, a batch's activations. The quantization processes'
+    factors come later, beside the loading terms."""
+    from voodoo_quant.memory import PROCESS_BASELINE
+
+    monkeypatch.setenv("VOODOO_QUANT_WORKERS", "1")
+    base = ["--model", str(gate_model_dir / "model"), "--data_dir", str(tmp_path), "--candidate_types", "Q8_0", "Q4_0",
+            "--compression_ratio", "0.6", "--seq_len", "64", "--lazy"]
+    plain, comp = _mem(base + ["--error_compensation", "none"]), _mem(base)  # auto: gptq under --lazy too
+    assert not any("Hessian" in t.name for t in plain.host)
+    names = [t.name for t in comp.host]
+    assert "Hessians (--error_compensation)" in names and any(n.startswith("layer-by-layer Hessian collection")
+                                                                for n in names)
+    # the factors of one quantization process: every one kept (under FACTOR_CACHE_BYTES here) + one tensor's float64 work
+    n = 2 * ([256] * 6 + [512]) + [256]  # 2 layers: q k v o gate up (256 wide), down (512); the LM head
+    factors = next(t.bytes for t in comp.host if t.name == "Hessians (--error_compensation)")
+    assert factors == sum(k * k * 8 for k in n) + 3 * 512 ** 2 * 8
+    # the phase, from shapes: 32 calibration sequences + one batch of 4 stored (64 x 256 float32);
+    # the largest float32 layer (590,336 weights); its accumulators (6 x 256² + 512², float32); a
+    # batch's activations (4 x 64 tokens x (4 x 256 + 3 x 512) float32)
+    stored = (32 + 4) * 64 * 256 * 4
+    phase = stored + 590_336 * 4 + (6 * 256 ** 2 + 512 ** 2) * 4 + 4 * 64 * (4 * 256 + 3 * 512) * 4
+    (term,) = [t for t in comp.host if t.name.startswith("layer-by-layer Hessian collection")]
+    assert f"peak {(PROCESS_BASELINE + phase) / 1e9:.2f} GB" in term.note
+    assert comp.host_total == pytest.approx(max(plain.host_total + factors, PROCESS_BASELINE + phase))
+    # more calibration sequences: the stored hidden states outgrow the loading peak, which is then the phase's
+    big = _mem(base + ["--compensation_sequences", "4096"])
+    (term,) = [t for t in big.host if t.name.startswith("layer-by-layer Hessian collection")]
+    assert term.name.endswith(": above loading") and term.bytes > 0
+    assert big.host_total == pytest.approx(PROCESS_BASELINE + phase + (4096 - 32) * 64 * 256 * 4)
+    assert big.cpu_peak >= big.host_total
+    # on an accelerator the layer, accumulators and activations are on the device, the hidden states on the host
+    gpu = _mem(base + ["--compensation_sequences", "4096", "--device", "cuda:0"])
+    (term,) = [t for t in gpu.host if t.name.startswith("layer-by-layer Hessian collection")]
+    assert f"peak {(PROCESS_BASELINE + stored + (4096 - 32) * 64 * 256 * 4) / 1e9:.2f} GB" in term.note
+    assert any(t.name.startswith("layer-by-layer Hessian collection") for t in gpu.device)

@@ -106,6 +106,12 @@ FACTOR_CACHE_BYTES = 512 << 20
 _FACTORS: OrderedDict = OrderedDict()  # digest -> (U, dead), least recently used first
 
 
+def release_factors() -> None:
+    """Drop the kept factors: a build of candidates in this process is over, and a training run
+    would otherwise hold up to :data:`FACTOR_CACHE_BYTES` through its steps."""
+    _FACTORS.clear()
+
+
 def applies(qtype: str | qt.QType) -> bool:
     """Float types are written as they are; every quantized type is compensated."""
     return not qt.get(qtype).is_float

@@ -6,9 +6,10 @@ the Hessians were collected from, and which tensors share another's Hessian (q/k
 one input: stored once). Every stored Hessian is a float32 n × n matrix in the GGUF tensor's
 column order, keyed by the HF tensor name.
 
-Writing takes the arrays one at a time, in the order the header declares (it carries every
-offset, so the sizes are given up front): a collection pass's Hessians are the only ones in
-memory, whatever the model's size. Reading maps the file: a :class:`~voodoo_quant.compensate.Compensation`
+Writing takes the arrays one at a time, each written at the offset the header declares for it
+(the sizes are given up front), in any order: a collection pass's (or one decoder layer's)
+Hessians are the only ones in memory, whatever the model's size, and the file is the same bytes
+whatever order they came in. Reading maps the file: a :class:`~voodoo_quant.compensate.Compensation`
 holds a read-only view, paged in when its candidates are built. Both are checked: the header's
 entries must be square float32 matrices lying inside the file, and each array written must be
 the one declared next.
@@ -34,8 +35,9 @@ _MAX_HEADER = 64 << 20
 
 def write_hessians(path: str | os.PathLike, sizes: Mapping[str, int], shared: Mapping[str, str], key: str,
                    arrays: Iterable[tuple[str, np.ndarray]]) -> Path:
-    """Write `sizes` (stored name → n, in the order `arrays` yields them) atomically; `shared`
-    maps each other tensor to the stored name whose Hessian it reads."""
+    """Write `sizes` (stored name → n, in the order the file holds them) atomically, from
+    `arrays` in any order, each name once; `shared` maps each other tensor to the stored name whose
+    Hessian it reads."""
     bad = {k: v for k, v in shared.items() if v not in sizes or k in sizes}
     if bad:
         raise QuantizationInputError(f"shared Hessians must name a stored one: {bad}")
@@ -49,18 +51,21 @@ def write_hessians(path: str | os.PathLike, sizes: Mapping[str, int], shared: Ma
     raw += b" " * (-len(raw) % 8)  # the data starts 8-aligned
 
     def write(tmp: Path) -> None:
-        order = iter(sizes.items())
+        base = 8 + len(raw)
+        written: set[str] = set()
         with open(tmp, "wb") as fh:
             fh.write(struct.pack("<Q", len(raw)) + raw)
             for name, arr in arrays:
-                want, n = next(order, (None, None))
-                if name != want:
-                    raise QuantizationInputError(f"Hessian {name!r} written where {want!r} was declared")
+                if name not in sizes or name in written:
+                    raise QuantizationInputError(f"Hessian {name!r} was not declared, or is written twice")
+                n = int(sizes[name])
                 a = np.ascontiguousarray(arr, dtype="<f4")
                 if a.shape != (n, n):
                     raise QuantizationInputError(f"Hessian {name!r} is {a.shape}, declared ({n}, {n})")
+                fh.seek(base + header[name]["data_offsets"][0])  # at its declared offset, whatever the order
                 fh.write(memoryview(a).cast("B"))
-            missing = [k for k, _ in order]
+                written.add(name)
+            missing = [k for k in sizes if k not in written]
             if missing:
                 raise QuantizationInputError(f"{len(missing)} declared Hessian(s) never written, e.g. {missing[0]!r}")
 

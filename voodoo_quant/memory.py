@@ -313,10 +313,10 @@ def plan_memory(cfg, model: nn.Module, plans: Sequence, *, adapter=None, tp_plan
         mp.host.append(Term("teacher weights (--teacher_device)", t_bytes))
     if refs_term:  # made while the loaded weights are still there (training/references.py)
         mp.host.append(refs_term)
-    from .memory_phases import compensation_term, sensitivity_term
-    mp.host += [t for t in (compensation_term(cfg, model, plans),) if t is not None]
+    from .memory_phases import add_compensation, sensitivity_term
     if cfg.needs_sensitivity:
         mp.host.append(sensitivity_term(cfg, model, plans, full, world, hidden, n_layers, skeleton))
+    add_compensation(mp, cfg, model, plans, skeleton=skeleton)  # last: its --lazy phase is set against the rest
     mp.advice = _advice(cfg, mp, capacity, replan)
     return mp
 

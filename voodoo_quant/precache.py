@@ -178,11 +178,16 @@ def build_all(
     bytes_built = 0
     with _Progress(progress, todo, cached) as bar:
         if todo and n_workers == 1 and pool is None:
-            for _cost, name, j, k in todo:
-                data = cache.get_or_build(j.load(), j.qtype, j.imatrix, name=name, key=k, workers=1,
-                                          compensation=j.compensation)
-                bytes_built += len(data)
-                bar.advance(_cost, len(data))
+            from .compensate import release_factors
+
+            try:
+                for _cost, name, j, k in todo:
+                    data = cache.get_or_build(j.load(), j.qtype, j.imatrix, name=name, key=k, workers=1,
+                                              compensation=j.compensation)
+                    bytes_built += len(data)
+                    bar.advance(_cost, len(data))
+            finally:
+                release_factors()  # kept for a tensor's next type, not through the run that follows
         elif todo:
             bytes_built = _run_pool(todo, cache, pool, n_workers, bar)
 

@@ -111,8 +111,8 @@ class TrainConfig:
     search_confirm: int = 0  # more sequences held aside: the search's result is written only if it beats its start there
     guarantee: bool = True  # measure uniform / stock / knapsack references and start from the best
     # error compensation (compensate.py): "gptq" hands the quantizer each tensor with every block's
-    # rounding error passed on to the later columns, from layer-input Hessians (training/hessians.py);
-    # "auto" is gptq where the float model is read whole (not --lazy, not tensor-parallel)
+    # rounding error passed on to the later columns, from layer-input Hessians (training/hessians.py;
+    # under --lazy one decoder layer at a time); "auto" is gptq in one process, none under tensor parallelism
     error_compensation: str = "auto"
     compensation_sequences: int = 32  # calibration sequences of the Hessians (first N of the training tokens)
     compensation_damp: float = 0.1  # λ: H + λ·mean(diag H)·I
@@ -121,10 +121,11 @@ class TrainConfig:
     @property
     def compensation(self) -> str:
         """The error compensation this run uses: ``--error_compensation``, with auto resolved to
-        gptq, or to none under --lazy or tensor parallelism (whose float model is never whole)."""
+        gptq in one process (under --lazy from Hessians collected one decoder layer at a time,
+        the same bytes), or to none under tensor parallelism (no rank holds every layer's input)."""
         if self.error_compensation != "auto":
             return self.error_compensation
-        return "none" if self.lazy or self.tensor_parallel > 1 else "gptq"
+        return "none" if self.tensor_parallel > 1 else "gptq"
 
     def __post_init__(self) -> None:
         if self.fill_menus is None:  # before the default replaces an omitted menu
@@ -268,8 +269,9 @@ class TrainConfig:
             raise ConfigError(f"unknown train config keys: {', '.join(sorted(unknown))}")
         return cls(**d)
 
-    # Fields that do not change the result: a run may resume with different values. ``lazy`` does
-    # change the compensation that ``auto`` resolves to: result_hash counts the resolved one.
+    # Fields that do not change the result: a run may resume with different values (``lazy``
+    # among them: its candidates, compensated or not, are the eager run's). result_hash counts the
+    # compensation ``auto`` resolves to.
     _RESULT_NEUTRAL = ("output_dir", "output_name", "partial_save_interval", "resume", "dry_run",
                        "no_compile", "gradient_checkpointing", "device", "device_map", "lazy",
                        # exact reformulations and bake-only settings: a journal stays valid across them
@@ -283,8 +285,8 @@ class TrainConfig:
 
     def result_hash(self) -> str:
         """Hash of the settings that determine the result (journal compatibility). The error
-        compensation counts as resolved: ``auto`` is gptq on an eager run and none under --lazy
-        or tensor parallelism, whose candidates differ though --lazy itself changes nothing."""
+        compensation counts as resolved: ``auto`` is gptq in one process (eager or --lazy) and
+        none under tensor parallelism, whose candidates differ."""
         d = {k: v for k, v in self.to_dict().items() if k not in self._RESULT_NEUTRAL}
         d["error_compensation"] = self.compensation
         if self.compensation == "none":  # their values reach nothing without compensation

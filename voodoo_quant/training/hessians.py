@@ -8,7 +8,8 @@ reaches every logit; the lookup's share of the error is left unweighted. Each H 
 GGUF tensor's column order, keyed by the HF tensor name, in ``<output_dir>/hessians.safetensors``
 (voodoo_quant/hessian_store.py), written pass by pass so that only one pass's accumulators are in
 memory; a later run (or size of a ladder) with the same inputs reuses it, and export maps it,
-checked by its sha256.
+checked by its sha256. A skeleton (``--lazy``: the float model never loaded whole) gives the same
+file one decoder layer at a time (training/layer_hessians.py).
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def collect_passes(model: nn.Module, plans: Sequence, tokens: torch.Tensor, *, b
         return Collection({}, {}, 0, iter(()))
     budget = envs.hessian_pass_bytes() if pass_bytes is None else int(pass_bytes)
     device = next(model.parameters()).device
-    owner = _shared_inputs(model, chosen, modules, tokens[:1, :8].to(device))
+    owner = shared_inputs(model, chosen, modules, tokens[:1, :8].to(device))
     sources = list(dict.fromkeys(owner[p.name] for p in chosen))
     width = {p.name: modules[reader(p, modules)].in_features for p in chosen}
     groups: list[list[str]] = []
@@ -95,26 +96,7 @@ def collect_passes(model: nn.Module, plans: Sequence, tokens: torch.Tensor, *, b
             held = 0
         groups[-1].append(src)
         held += nbytes
-    # one stored array per input in its own order; a tensor reading it in a permuted order its own
-    sizes: dict[str, int] = {}
-    shared: dict[str, str] = {}
-    stored_for: dict[str, str] = {}
-    members: dict[str, list] = {src: [] for src in sources}
-    for p in chosen:
-        members[owner[p.name]].append(p)
-    order: list[tuple[str, str, np.ndarray | None]] = []  # (stored name, source, columns), pass by pass
-    for group in groups:
-        for src in group:
-            for p in members[src]:
-                _, cols = gguf_columns(p.layout)
-                if cols is None and src in stored_for:
-                    shared[p.name] = stored_for[src]
-                    continue
-                if cols is None:
-                    stored_for[src] = p.name
-                sizes[p.name] = width[src]
-                order.append((p.name, src, cols))
-
+    sizes, shared, order = stored_layout(chosen, owner, width)
     by_name = {p.name: p for p in chosen}
 
     def arrays():
@@ -129,11 +111,50 @@ def collect_passes(model: nn.Module, plans: Sequence, tokens: torch.Tensor, *, b
                     h = acc[src].cpu().numpy()
                 else:  # never reached on this text (an unused expert): no column live, the plain bytes
                     h = np.zeros((width[src], width[src]), dtype=np.float32)
-                yield name, np.ascontiguousarray(h if cols is None else h[np.ix_(cols, cols)], dtype=np.float32)
+                yield name, in_gguf_order(h, cols)
                 pending = next(it, None)
             del acc
 
     return Collection(sizes, shared, len(groups), arrays())
+
+
+def stored_layout(chosen: Sequence, owner: dict[str, str], width: dict[str, int]
+                  ) -> tuple[dict[str, int], dict[str, str], list[tuple[str, str, np.ndarray | None]]]:
+    """(sizes, shared, order) of the file: one stored array per input, by its first reader (in the
+    plans' order), in that reader's column order; a tensor reading it in a permuted order gets its
+    own. `order` lists (stored name, source, columns) in the order the header declares them."""
+    sources = list(dict.fromkeys(owner[p.name] for p in chosen))
+    sizes: dict[str, int] = {}
+    shared: dict[str, str] = {}
+    stored_for: dict[str, str] = {}
+    members: dict[str, list] = {src: [] for src in sources}
+    for p in chosen:
+        members[owner[p.name]].append(p)
+    order: list[tuple[str, str, np.ndarray | None]] = []
+    for src in sources:
+        for p in members[src]:
+            _, cols = gguf_columns(p.layout)
+            if cols is None and src in stored_for:
+                shared[p.name] = stored_for[src]
+                continue
+            if cols is None:
+                stored_for[src] = p.name
+            sizes[p.name] = width[src]
+            order.append((p.name, src, cols))
+    return sizes, shared, order
+
+
+def in_gguf_order(h: np.ndarray, cols: np.ndarray | None) -> np.ndarray:
+    return np.ascontiguousarray(h if cols is None else h[np.ix_(cols, cols)], dtype=np.float32)
+
+
+def accumulating_hook(acc: dict[str, torch.Tensor], name: str):
+    """A forward (or pre-) hook adding xᵀx (float32) of its module's input to ``acc[name]``."""
+    def hook(mod, inp, out=None):
+        x2 = inp[0].detach().reshape(-1, inp[0].shape[-1]).to(torch.float32)
+        h = x2.T @ x2
+        acc[name] = h if name not in acc else acc[name].add_(h)
+    return hook
 
 
 def collect(model: nn.Module, plans: Sequence, tokens: torch.Tensor, *, batch_size: int = 4,
@@ -151,15 +172,7 @@ def _accumulate(model: nn.Module, readers: dict[str, nn.Module], tokens: torch.T
                 device: torch.device, label: str | None) -> dict[str, torch.Tensor]:
     """Σ xᵀx (float32, on `device`) of each reader's input over `tokens`."""
     acc: dict[str, torch.Tensor] = {}
-
-    def hook_for(name: str):
-        def hook(mod, inp, out):
-            x2 = inp[0].detach().reshape(-1, inp[0].shape[-1]).to(torch.float32)
-            h = x2.T @ x2
-            acc[name] = h if name not in acc else acc[name].add_(h)
-        return hook
-
-    hooks = [m.register_forward_hook(hook_for(src)) for src, m in readers.items()]
+    hooks = [m.register_forward_hook(accumulating_hook(acc, src)) for src, m in readers.items()]
     was_training = model.training
     model.eval()
     try:
@@ -178,7 +191,7 @@ def _accumulate(model: nn.Module, readers: dict[str, nn.Module], tokens: torch.T
     return acc
 
 
-def _shared_inputs(model: nn.Module, chosen: Sequence, modules: dict[str, nn.Module], probe: torch.Tensor) -> dict[str, str]:
+def shared_inputs(model: nn.Module, chosen: Sequence, modules: dict[str, nn.Module], probe: torch.Tensor) -> dict[str, str]:
     """plan → the first plan that reads the very same input tensor (q/k/v, gate/up share one):
     found on a short probe forward that keeps every input alive, so no address is reused."""
     inputs: dict[str, torch.Tensor] = {}
@@ -222,24 +235,33 @@ def hessian_key(plans: Sequence, tokens: torch.Tensor, model: str, weights_sha25
 
 
 def ensure(cfg, base: nn.Module, plans: Sequence, tokens: torch.Tensor, *, weights_sha256: str,
-           progress: bool = False) -> tuple[dict[str, Compensation], dict]:
+           progress: bool = False, device: torch.device | None = None) -> tuple[dict[str, Compensation], dict]:
     """The run's compensations and their provenance record (for the assignment): Hessians reused
     from ``<output_dir>/hessians.safetensors`` when made from the same inputs, else collected and
-    written; the Compensations hold mapped views of the file."""
+    written; the Compensations hold mapped views of the file. A loaded `base` is run whole (on its
+    own device); a skeleton (``--lazy``) one decoder layer at a time on `device`
+    (training/layer_hessians.py): on the CPU the same file."""
     from .models import reader_of
 
-    if reader_of(base) is not None:
-        raise ConfigError("--error_compensation gptq reads the whole float model: not with --lazy or a "
-                          "tensor-parallel skeleton yet")
+    if reader_of(base) is not None and cfg.tensor_parallel > 1:
+        raise ConfigError("--error_compensation gptq needs every layer's whole input in one process: "
+                          "not under tensor parallelism yet")
     calib = tokens[: cfg.compensation_sequences]
     key = hessian_key(plans, calib, cfg.model, weights_sha256)
     path = cfg.out_dir / HESSIANS_FILE
     if not (path.is_file() and read_key(path) == key):
-        c = collect_passes(base, plans, calib, progress=progress)
+        if reader_of(base) is not None:
+            from .layer_hessians import collect_layerwise
+
+            c = collect_layerwise(base, plans, calib, device=device, progress=progress)
+            how = "one decoder layer at a time"
+        else:
+            c = collect_passes(base, plans, calib, progress=progress)
+            how = f"in {c.passes} pass(es)"
         cfg.out_dir.mkdir(parents=True, exist_ok=True)
         write_hessians(path, c.sizes, c.shared, key, c.arrays)
-        log.info("Hessians of %d tensors (%d stored) from %d sequences in %d pass(es) -> %s",
-                 len(c.sizes) + len(c.shared), len(c.sizes), calib.shape[0], c.passes, path)
+        log.info("Hessians of %d tensors (%d stored) from %d sequences %s -> %s",
+                 len(c.sizes) + len(c.shared), len(c.sizes), calib.shape[0], how, path)
     hs = load_hessians(path, key=key)
     record = {"method": cfg.compensation, "damp": float(cfg.compensation_damp), "key": key,
               "hessians": str(path.resolve()), "sha256": fileio.sha256_file(path), "tensors": len(hs)}

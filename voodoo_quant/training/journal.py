@@ -120,8 +120,7 @@ def load(path: Path, *, expect_hash: str, expect_names: set[str], expect_compens
     if expect_compensation is not None and state.compensation is not None and state.compensation != expect_compensation:
         hint = ""
         if state.compensation.get("method") != expect_compensation.get("method"):
-            hint = (" (--error_compensation auto is gptq where the float model is read whole, none under --lazy "
-                    "or tensor parallelism)")
+            hint = " (--error_compensation auto is gptq in one process, none under tensor parallelism)"
         elif state.compensation.get("hessians") != expect_compensation.get("hessians"):
             hint = " (the Hessians come from other inputs: other weights or other calibration text)"
         raise JournalMismatchError(

@@ -140,6 +140,29 @@ def _accepts(fn, name: str) -> bool:
         return False
 
 
+def record(model: nn.Module, layers: nn.ModuleList, batches: Sequence[torch.Tensor], device,
+           unsupported: Callable[[nn.Module, str], Exception]) -> tuple[list[torch.Tensor], list[list[tuple]]]:
+    """(each batch's embedding output, on the host; each batch's call arguments of every decoder
+    layer): the model run on each batch of token ids with its layers replaced by recorders that
+    pass the hidden states through (its embedding, norms and head must be materialized). A model
+    whose code changes the embeddings before the first layer is refused with `unsupported`."""
+    keep = {"logits_to_keep": 1} if _accepts(model.forward, "logits_to_keep") else {}
+    emb = model.get_input_embeddings()
+    n_layers = len(layers)
+    hidden, calls = [], []
+    for batch in batches:
+        ids = batch.to(device)
+        sink: dict[int, tuple] = {}
+        with torch.no_grad(), _layers_replaced(layers, sink):
+            x0 = emb(ids)
+            model(inputs_embeds=x0, use_cache=False, **keep)
+        if len(sink) != n_layers or not torch.equal(sink[0][0], x0):
+            raise unsupported(model, "it does not feed its embeddings to the first decoder layer unchanged")
+        hidden.append(x0.to(torch.device("cpu")))
+        calls.append([(a, k) for _h, a, k in (sink[i] for i in range(n_layers))])
+    return hidden, calls
+
+
 def layerwise_curvature(model: nn.Module, plans: Sequence, tokens: torch.Tensor,
                         blobs_for: Callable[[object], Mapping[str, bytes]], *, seed: int = 0,
                         device: torch.device | None = None) -> dict[str, dict]:
@@ -190,21 +213,11 @@ def layerwise_curvature(model: nn.Module, plans: Sequence, tokens: torch.Tensor,
             if not mname.startswith(prefix + ".") and mname != prefix:
                 _buffers_to(m, device, recurse=False)
         start(by_layer.get(None, []))
-        keep = {"logits_to_keep": 1} if _accepts(model.forward, "logits_to_keep") else {}
 
         # 1. record: every sequence's embedding output and every layer's call arguments
-        ids_of, hidden, calls = [], [], []
-        for row in tokens:
-            ids = row.unsqueeze(0).to(device)
-            sink: dict[int, tuple] = {}
-            with torch.no_grad(), _layers_replaced(layers, sink):
-                x0 = emb(ids)
-                model(inputs_embeds=x0, use_cache=False, **keep)
-            if len(sink) != n_layers or not torch.equal(sink[0][0], x0):
-                raise _unsupported(model, "it does not feed its embeddings to the first decoder layer unchanged")
-            ids_of.append(ids[0])
-            hidden.append([x0.to(host)])
-            calls.append([(a, k) for _h, a, k in (sink[i] for i in range(n_layers))])
+        ids_of = [row.to(device) for row in tokens]
+        x0s, calls = record(model, layers, [row.unsqueeze(0) for row in tokens], device, _unsupported)
+        hidden = [[x0] for x0 in x0s]
 
         # 2. forward, one layer at a time; each layer's input stays on the host
         for i in range(n_layers):

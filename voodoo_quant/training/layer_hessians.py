@@ -1,0 +1,243 @@
+"""The Hessians of ``--error_compensation`` one decoder layer at a time, for a skeleton (``--lazy``).
+
+The whole-model collection (:func:`.hessians.collect_passes`) runs the loaded float model over
+the calibration text with hooks on the planned Linears. A skeleton (parameters on ``meta``, read
+by name through its ``WeightReader``) is never loaded whole, so this collection takes the
+sensitivity pass's road (:mod:`.layerwise`):
+
+1. **Which tensors share an input.** The same probe forward as the whole-model collection (the
+   first 8 tokens of the first sequence), on the model's own code, its embedding, norms and head
+   read from the checkpoint and each decoder layer given zero weights while it runs: which Linear
+   reads which tensor object does not depend on the weights' values (a router's choice does: in a
+   mixture of experts built of Linears, an expert the probe reaches in one collection and not in
+   the other has its shared input stored once in one file and per tensor in the other, the same
+   values). The file's header (sizes, shared inputs) is then known before anything is collected.
+2. **Record.** The embedding's output for every batch of the calibration text, and every layer's
+   call arguments, with the layers replaced by recorders (:func:`.layerwise.record`).
+3. **Layers.** Layer by layer: its weights read (float32, onto `device`), run without a graph on
+   every batch with the hooks of the whole-model collection on its Linears, its output kept on
+   the host as the next layer's input, the layer released; its Hessians written to the file
+   (each at its declared offset: :func:`voodoo_quant.hessian_store.write_hessians`) and freed.
+4. **Head.** The model's own code after the layers (final norm, LM head) on the last hidden
+   states: the LM head's input (a tied embedding's Hessian) is taken as it enters the head, and
+   no logits are computed.
+
+The batches (``batch_size`` sequences) are the whole-model collection's, every product and every
+sum is its, in its order: on the CPU the file is the same bytes (tests/test_lazy_compensation.py).
+On an accelerator it is collected there, and its sums round as that device's kernels do. Peak
+memory: on the host, the calibration batches' hidden states (``sequences × seq_len × hidden``
+float32) and one batch's output; on `device`, one float32 decoder layer (or the embedding and
+head) and that layer's n² float32 accumulators (:func:`phase_bytes`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from ..errors import ConfigError
+from ..parallel import decoder_layers
+from .hessians import Collection, accumulating_hook, compensable, in_gguf_order, reader, shared_inputs, stored_layout
+from .layerwise import _buffers_to, _layer_index, _layers_replaced, _materialize, _params, _release, _restored, record
+
+BATCH = 4  # sequences per forward: the whole-model collection's (hessians.collect_passes)
+
+
+class _HeadReached(Exception):
+    """Raised by the head's pre-hook once every input wanted after the layers is taken."""
+
+
+def _unsupported(model: nn.Module, why: str) -> ConfigError:
+    return ConfigError(f"the layer-by-layer Hessians of --error_compensation cannot be collected on "
+                       f"{type(model).__name__}: {why}; run without --lazy (the float model read whole) "
+                       "or with --error_compensation none")
+
+
+def collect_layerwise(model: nn.Module, plans: Sequence, tokens: torch.Tensor, *, batch_size: int = BATCH,
+                      device: torch.device | None = None, progress: bool = False) -> Collection:
+    """What :func:`.hessians.collect_passes` gives for the loaded model, from skeleton `model`
+    one decoder layer at a time (module docstring); the arrays come layer by layer (the head's
+    last). The skeleton is left as it was found (every parameter back on ``meta``)."""
+    reader_ = model.voodoo_reader
+    device = torch.device("cpu") if device is None else torch.device(device)
+    modules = dict(model.named_modules())
+    chosen = [p for p in plans if compensable(p, modules)]
+    if not chosen:
+        return Collection({}, {}, 0, iter(()))
+    prefix, layers = decoder_layers(model)
+    read_by = {p.name: reader(p, modules) for p in chosen}
+    width = {p.name: modules[read_by[p.name]].in_features for p in chosen}
+    with _restored(model):
+        originals = {(id(m), k): p for m in model.modules() for k, p in m._parameters.items()}
+        outside = _outside(model, prefix)
+        _materialize(model, outside, reader_, device)
+        with _zero_layers(model, layers, prefix, originals, device):
+            owner = shared_inputs(model, chosen, modules, tokens[:1, :8].to(device))
+    sizes, shared, order = stored_layout(chosen, owner, width)
+    layer_of = {src: _layer_index(read_by[src], prefix) for src in set(owner.values())}
+
+    def arrays() -> Iterator[tuple[str, np.ndarray]]:
+        with _restored(model):
+            originals = {(id(m), k): p for m in model.modules() for k, p in m._parameters.items()}
+            outside = _outside(model, prefix)
+            _materialize(model, outside, reader_, device)
+            _outside_buffers_to(model, prefix, device)
+            batches = [tokens[i:i + batch_size] for i in range(0, tokens.shape[0], batch_size)]
+            hidden, calls = record(model, layers, batches, device, _unsupported)
+            _release(outside, originals)  # the embedding and head are read again for the head
+            steps: Sequence[int] = range(len(layers))
+            if progress:
+                from rich.progress import track
+
+                steps = track(steps, description="Hessians, layer by layer", transient=True)
+            for i in steps:
+                names = _params(layers[i], f"{prefix}.{i}")
+                _materialize(model, names, reader_, device)
+                _buffers_to(layers[i], device)
+                acc: dict[str, torch.Tensor] = {}
+                hooks = [modules[read_by[s]].register_forward_hook(accumulating_hook(acc, s))
+                         for s in layer_of if layer_of[s] == i]
+                try:
+                    with torch.no_grad():
+                        for b in range(len(hidden)):
+                            a, k = calls[b][i]
+                            y = layers[i](hidden[b].to(device), *a, **k)
+                            if not isinstance(y, torch.Tensor):
+                                raise _unsupported(model, f"its decoder layer {i} returns {type(y).__name__}, "
+                                                          "not the hidden states")
+                            hidden[b] = y.to(torch.device("cpu"))
+                finally:
+                    for h in hooks:
+                        h.remove()
+                _release(names, originals)
+                yield from _emit(order, acc, width, {s for s in layer_of if layer_of[s] == i})
+                del acc
+            # the head: what reads the last hidden states, taken as it enters
+            after = [s for s in layer_of if layer_of[s] is None]
+            if not after:
+                return
+            _materialize(model, outside, reader_, device)
+            acc = {}
+            seen: set[str] = set()
+
+            def take(src: str):
+                add = accumulating_hook(acc, src)
+
+                def hook(mod, inp):
+                    add(mod, inp)
+                    seen.add(src)
+                    if seen.issuperset(after):
+                        raise _HeadReached
+                return hook
+
+            hooks = [modules[read_by[s]].register_forward_pre_hook(take(s)) for s in after]
+            try:
+                with torch.no_grad(), _layers_replaced(layers, None):
+                    for b in range(len(hidden)):
+                        seen.clear()
+                        try:
+                            model(inputs_embeds=hidden[b].to(device), use_cache=False)
+                        except _HeadReached:
+                            pass
+                        hidden[b] = None
+            finally:
+                for h in hooks:
+                    h.remove()
+            yield from _emit(order, acc, width, set(after))
+
+    return Collection(sizes, shared, 1, arrays())
+
+
+def _emit(order, acc: dict[str, torch.Tensor], width: dict[str, int], sources: set[str]):
+    for name, src, cols in order:
+        if src not in sources:
+            continue
+        if src in acc:
+            h = acc[src].cpu().numpy()
+        else:  # never reached on this text (an unused expert): no column live, the plain bytes
+            h = np.zeros((width[src], width[src]), dtype=np.float32)
+        yield name, in_gguf_order(h, cols)
+
+
+def _outside(model: nn.Module, prefix: str):
+    return [t for t in _params(model, "") if not t[0].startswith(prefix + ".")]
+
+
+def _outside_buffers_to(model: nn.Module, prefix: str, device) -> None:
+    for mname, m in model.named_modules():
+        if not mname.startswith(prefix + ".") and mname != prefix:
+            _buffers_to(m, device, recurse=False)
+
+
+@contextlib.contextmanager
+def _zero_layers(model: nn.Module, layers: nn.ModuleList, prefix: str, originals, device) -> Iterator[None]:
+    """While active, each decoder layer holds float32 zeros of its weights' shapes while it runs
+    (no read: a probe of which tensor each Linear reads, not of values)."""
+    _outside_buffers_to(model, prefix, device)
+
+    def pre(i: int):
+        def hook(mod, args, kwargs=None):
+            names = _params(layers[i], f"{prefix}.{i}")
+            for _name, m, k in names:
+                old = m._parameters[k]
+                m._parameters[k] = nn.Parameter(torch.zeros(old.shape, dtype=torch.float32, device=device),
+                                                requires_grad=False)
+            _buffers_to(layers[i], device)
+        return hook
+
+    def post(i: int):
+        def hook(mod, args, out):
+            _release(_params(layers[i], f"{prefix}.{i}"), originals)
+        return hook
+
+    handles = []
+    try:
+        for i, layer in enumerate(layers):
+            handles.append(layer.register_forward_pre_hook(pre(i)))
+            handles.append(layer.register_forward_hook(post(i)))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def phase_bytes(cfg, model: nn.Module, plans: Sequence) -> tuple[float, float, str]:
+    """(host bytes, device bytes, note) of the layer-by-layer collection's peak, from shapes:
+    the stored hidden states of ``--compensation_sequences`` × ``--seq_len`` tokens (float32) and
+    one batch's output on the host; on the device one float32 decoder layer or the embedding and
+    head, whichever is larger, the largest layer's n² float32 accumulators (a tensor reading
+    an input another one reads counted apart: an upper bound) and one batch's activations through
+    a layer (its input, q/k/v, and the MLP's three intermediate-wide products, float32)."""
+    from ..memory import GB
+
+    prefix, layers = decoder_layers(model)
+    text = model.config.get_text_config()
+    hidden = text.hidden_size
+    modules = dict(model.named_modules())
+    seqs, T = cfg.compensation_sequences, cfg.seq_len
+    batch = min(BATCH, seqs)
+    stored = (seqs + batch) * T * hidden * 4.0
+    inter = getattr(text, "intermediate_size", 4 * hidden) or 4 * hidden
+    act = batch * T * (4 * hidden + 3 * inter) * 4.0
+    per_layer: dict[int | None, int] = {}
+    for p in plans:
+        if compensable(p, modules):
+            i = _layer_index(reader(p, modules), prefix)
+            per_layer[i] = per_layer.get(i, 0) + p.layout.n_per_row ** 2 * 4
+    seen: set[int] = set()
+    layer_numel: dict[int | None, int] = {}
+    for name, t in model.named_parameters(remove_duplicate=False):
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        i = _layer_index(name, prefix)
+        layer_numel[i] = layer_numel.get(i, 0) + t.numel()
+    weights = max(layer_numel.values()) * 4.0
+    acc = float(max(per_layer.values(), default=0))
+    note = (f"layer by layer: stored hidden states {stored / GB:.2f} GB ({seqs} x {T} tokens), one float32 layer "
+            f"{weights / GB:.2f} GB + its accumulators {acc / GB:.2f} GB + a batch's activations {act / GB:.2f} GB")
+    return stored, weights + acc + act, note
