@@ -24,10 +24,10 @@ is the sweep (:attr:`Compensation.sweep`):
   quantization's scales held fixed, and W' holds the rounded values (values its scales represent,
   which libggml-base quantizes back to nearly themselves, so the error passed on is the file's).
   A grid IQ superblock (IQ1–IQ3) is quantized again at every step: libggml-base does not quantize
-  their rounded values back to themselves (measured: 10–40 % more layer error with a fixed-scale
+  their rounded values back to themselves (measured: 8–36 % more layer error with a fixed-scale
   oracle). float32, updates applied a group at a time; the factor from one Cholesky of the
-  order-reversed H. Cost per candidate (``bench/compensation_cost.py``): about 2–4× a plain one
-  for the K-quants and IQ4_XS, 8–9× for the grid IQ types.
+  order-reversed H. Cost per candidate (``bench/compensation_cost.py``): 1.9–4.0× a plain one
+  for the K-quants and IQ4_XS, 7–10× for the grid IQ types.
 - ``"requant"`` (the walk of assignments made before the sweep was a choice): the superblock is
   quantized again after each of its sub-blocks, float64; except for the types of
   :data:`WHOLE_SUPERBLOCK`, whose superblock is one step (their sub-block scales are coded against
