@@ -30,6 +30,7 @@ class TensorChoice:
     gguf_name: str | None = None  # llama.cpp tensor name, e.g. "blk.0.ffn_down.weight"
     confidence: float | None = None  # gate probability of the chosen candidate
     menu: tuple[str, ...] = ()  # the tensor's menu, cheapest first
+    sha256: str | None = None  # of the chosen candidate's bytes as training read them; export writes no other
 
     def __post_init__(self) -> None:
         qt.get(self.qtype)  # refuses unknown names

@@ -15,19 +15,30 @@ row (columns in GGUF order):
 where U is the upper Cholesky factor of (H + λ·mean(diag H)·I)⁻¹ and H = Σ xᵀx over the layer's
 inputs on calibration text. This minimizes ‖(W − Ŵ) X‖² one block at a time (Frantar et al.,
 GPTQ, with a ggml block's columns fixed at once because they share a scale). A step is a block of
-32, or one 32-column sub-block of a 256-weight superblock, which is quantized again after each of
-its sub-blocks from the updated values; except for the types of :data:`WHOLE_SUPERBLOCK`, whose
-superblock is one step. Their sub-block scales and minimums are coded against the superblock's
-largest, so quantizing the superblock again moves the sub-blocks already fixed, and the error
-passed on is no longer the file's. Measured on SmolLM2-135M's ffn_down (576 × 1536, layers 3, 15
-and 27; ‖(W − Ŵ)X‖² relative, from the calibration Hessians; ``bench/compensation_step.py``): a
-whole-superblock step gives 0.69–0.72× the error of 32-column steps for Q5_K, in one quantizer
-call per superblock instead of eight (0.90–0.98× on the synthetic problem of the tests). Q4_K
-(0.90–0.92×) and Q2_K (0.94–0.95×) gain on SmolLM2 too but lose 6–12 % on the synthetic problem,
-so they keep 32-column steps with Q6_K (1.09–1.11×), Q3_K (1.11–1.14×) and every IQ type
-(1.07–1.17×). The final bytes are the quantizer's for the whole rows of W', so training, bake and export all see
-the same bytes; :func:`compensated_matrix` is deterministic (float64 on one thread), and export
-computes it again from the same inputs.
+32, or one 32-column sub-block of a 256-weight superblock. How the step's rounding Q is obtained
+is the sweep (:attr:`Compensation.sweep`):
+
+- ``"fixed"`` (:func:`_sweep_fixed`, the default): a 32-block is quantized by libggml-base as the
+  walk reaches it. A superblock of :data:`fixed_rounding.SWEEP_TYPES` (K-quants, IQ4_XS) is
+  quantized once, when the walk reaches it; its later steps are rounded in torch with that
+  quantization's scales held fixed, and W' holds the rounded values (values its scales represent,
+  which libggml-base quantizes back to nearly themselves, so the error passed on is the file's).
+  A grid IQ superblock (IQ1–IQ3) is quantized again at every step: libggml-base does not quantize
+  their rounded values back to themselves (measured: 8–36 % more layer error with a fixed-scale
+  oracle). float32, updates applied a group at a time; the factor from one Cholesky of the
+  order-reversed H. Cost per candidate (``bench/compensation_cost.py``): 1.9–4.0× a plain one
+  for the K-quants and IQ4_XS, 7–10× for the grid IQ types.
+- ``"requant"`` (the walk of assignments made before the sweep was a choice): the superblock is
+  quantized again after each of its sub-blocks, float64; except for the types of
+  :data:`WHOLE_SUPERBLOCK`, whose superblock is one step (their sub-block scales are coded against
+  the superblock's largest, so quantizing again moves the sub-blocks already fixed: measured on
+  SmolLM2-135M's ffn_down, 0.69–0.72× the error of 32-column steps for Q5_K,
+  ``bench/compensation_step.py``). 7–11× a plain candidate for most superblock types.
+
+The final bytes are the quantizer's for the whole rows of W', so training, bake and export all see
+the same bytes. :func:`compensated_matrix` is deterministic (one thread); export reads the
+candidate from the cache, or computes it again and checks it against the sha256 the assignment
+recorded (tools/export.py).
 """
 
 from __future__ import annotations
@@ -43,8 +54,12 @@ import numpy as np
 from . import qtypes as qt
 from .errors import QuantizationInputError
 
-ALGORITHM = "gptq-blocks/2"  # /2: whole-superblock steps for WHOLE_SUPERBLOCK (Q5_K)
+ALGORITHM = "gptq-blocks/2"  # the "requant" sweep; /2: whole-superblock steps for WHOLE_SUPERBLOCK (Q5_K)
+FIXED_ALGORITHM = "gptq-fixed/1"  # the "fixed" sweep (:func:`_sweep_fixed`)
+SWEEPS = ("fixed", "requant")
+DEFAULT_SWEEP = "fixed"
 DEFAULT_DAMP = 0.1
+LAZY = 128  # columns of a 32-block type updated together before the rest of the row (one GEMM)
 STEP = 32  # columns fixed per step: a block, or a 256-superblock's sub-block (its scale's span)
 # superblock types compensated one whole superblock per step (module docstring: measured)
 WHOLE_SUPERBLOCK = frozenset({"Q5_K"})
@@ -57,6 +72,7 @@ class Compensation:
 
     hessian: np.ndarray
     damp: float = DEFAULT_DAMP
+    sweep: str = DEFAULT_SWEEP  # "fixed" (one quantization per superblock) or "requant" (one per step)
     _digest: list = field(default_factory=list, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -67,6 +83,8 @@ class Compensation:
             raise QuantizationInputError(f"damping fraction must be > 0, got {self.damp}")
         if not np.all(np.isfinite(h)):
             raise QuantizationInputError("the Hessian holds NaN or Inf")
+        if self.sweep not in SWEEPS:
+            raise QuantizationInputError(f"compensation sweep {self.sweep!r}: expected one of {', '.join(SWEEPS)}")
 
     @property
     def n(self) -> int:
@@ -82,11 +100,11 @@ class Compensation:
         if hit is not None:
             _FACTORS.move_to_end(key)
             return hit
-        f = _cholesky_factor(self.hessian, float(self.damp))
-        size = 8 * self.n * self.n
+        f = (_cholesky_factor if self.sweep == "requant" else _reversed_factor)(self.hessian, float(self.damp))
+        size = 0 if f[0] is None else f[0].element_size() * self.n * self.n
         if size <= FACTOR_CACHE_BYTES:
             _FACTORS[key] = f
-            while sum(8 * u.shape[0] ** 2 for u, _ in _FACTORS.values() if u is not None) > FACTOR_CACHE_BYTES:
+            while sum(u.element_size() * u.numel() for u, _ in _FACTORS.values() if u is not None) > FACTOR_CACHE_BYTES:
                 _FACTORS.popitem(last=False)
         return f
 
@@ -95,7 +113,8 @@ class Compensation:
         """sha256 of the algorithm (with the types it walks a whole superblock at a time), the
         damping and the Hessian's bytes (computed once): a changed walk never reads old candidates."""
         if not self._digest:
-            h = hashlib.sha256(f"{ALGORITHM}|{','.join(sorted(WHOLE_SUPERBLOCK))}|{float(self.damp)!r}".encode())
+            algo = f"{ALGORITHM}|{','.join(sorted(WHOLE_SUPERBLOCK))}" if self.sweep == "requant" else FIXED_ALGORITHM
+            h = hashlib.sha256(f"{algo}|{float(self.damp)!r}".encode())
             h.update(struct.pack("<q", self.n))
             h.update(memoryview(np.ascontiguousarray(self.hessian, dtype="<f4")).cast("B"))
             self._digest.append(h.hexdigest())
@@ -135,6 +154,31 @@ def _cholesky_factor(hessian: np.ndarray, damp: float):
     return U, dead.numpy()
 
 
+def _reversed_factor(hessian: np.ndarray, damp: float):
+    """The factor of :func:`_cholesky_factor` in half the work, kept in float32 for the sweep:
+    with J the order reversal and J H J = L Lᵀ, H⁻¹ = (J L⁻¹ J)ᵀ (J L⁻¹ J) and J L⁻¹ J is upper
+    with a positive diagonal, so it is the upper Cholesky factor of H⁻¹ (one Cholesky and one
+    triangular inverse, no explicit inverse). Computed in float64 on the calling thread."""
+    import torch
+
+    H = torch.from_numpy(hessian.astype(np.float64))
+    diag = torch.diagonal(H)
+    dead = diag <= 0
+    if bool(dead.all()):
+        return None, dead.numpy()
+    H[dead, dead] = 1.0
+    mean = float(torch.mean(torch.diagonal(H)[~dead]))
+    H += (damp * mean) * torch.eye(H.shape[0], dtype=torch.float64)
+    L, info = torch.linalg.cholesky_ex(torch.flip(H, (0, 1)))
+    if int(info) != 0:
+        raise QuantizationInputError("the damped Hessian is not positive definite; raise the damping")
+    del H
+    eye = torch.eye(L.shape[0], dtype=torch.float64)
+    Linv = torch.linalg.solve_triangular(L, eye, upper=False)
+    del L, eye
+    return torch.flip(Linv, (0, 1)).to(torch.float32), dead.numpy()
+
+
 def compensated_matrix(matrix: np.ndarray, qtype: str | qt.QType, imatrix: np.ndarray | None,
                        comp: Compensation, lib=None) -> np.ndarray:
     """W' for `matrix` (rows × n, float32, GGUF layout) in `qtype`: see the module docstring.
@@ -163,6 +207,8 @@ def compensated_matrix(matrix: np.ndarray, qtype: str | qt.QType, imatrix: np.nd
         U, dead = comp.factor()
         if U is None:
             return m
+        if comp.sweep == "fixed":  # dead columns: no update reaches them, no error leaves them
+            return np.ascontiguousarray(_sweep_fixed(m, q, imatrix, U, dead, lib, B))
         W = torch.from_numpy(m.astype(np.float64))
         live = torch.from_numpy(~dead)
         step = B if q.name in WHOLE_SUPERBLOCK else min(B, STEP)
@@ -182,6 +228,56 @@ def compensated_matrix(matrix: np.ndarray, qtype: str | qt.QType, imatrix: np.nd
         torch.set_num_threads(threads)
     out[:, dead] = m[:, dead]
     return np.ascontiguousarray(out)
+
+
+def _sweep_fixed(m: np.ndarray, q: qt.QType, imatrix, U, dead, lib, B: int) -> np.ndarray:
+    """The "fixed" sweep, in float32: W' for `m` with the error of every 32 columns passed on.
+
+    A superblock type of :data:`fixed_rounding.SWEEP_TYPES` (the K-quants, IQ4_XS) is quantized
+    by libggml-base once per superblock, when the walk reaches it; its first 32-column step takes
+    libggml's values, each later step is rounded with that quantization's scales held fixed
+    (fixed_rounding.py), and W' holds the rounded values: a superblock of values the quantizer's
+    scales represent exactly, which libggml-base quantizes back to (nearly) the same values, so
+    the error passed on is the file's. Any other type (its block of 32, or a grid IQ superblock)
+    is quantized by libggml-base at every step, as the "requant" sweep does, and W' holds the
+    updated weights. Updates are applied lazily: within a group (the superblock, or :data:`LAZY`
+    columns of 32-blocks) step by step, to the rest of the row once per group (one product)."""
+    import torch
+
+    from . import fixed_rounding
+
+    rows, n = m.shape
+    W = torch.from_numpy(m.copy())
+    live = torch.from_numpy(~dead).to(torch.float32)
+    vec = None if imatrix is None else np.ascontiguousarray(imatrix, dtype=np.float32)
+    step = min(B, STEP)
+    group = B if B > STEP else max(B, LAZY)
+    fixed = B > STEP and q.name in fixed_rounding.SWEEP_TYPES
+    for g0 in range(0, n, group):
+        g1 = min(n, g0 + group)
+        errs = torch.empty(rows, g1 - g0, dtype=torch.float32)
+        scales = None
+        for s0 in range(g0, g1, step):
+            s1 = s0 + step
+            b0 = (s0 // B) * B  # the block holding the step
+            if fixed and scales is not None:
+                Q = scales.round(W[:, s0:s1], s0 - b0, s1 - b0)
+            else:
+                blk = np.ascontiguousarray(W[:, b0:b0 + B].numpy())
+                v = None if vec is None else vec[b0:b0 + B]
+                data = lib.quantize(blk, q, v, name="compensation", workers=1)
+                Q = torch.from_numpy(lib.dequantize(data, q, blk.shape, name="compensation")[:, s0 - b0:s1 - b0])
+                if fixed:
+                    scales = fixed_rounding.FixedScales(data, q, rows, B, v)
+            E = (W[:, s0:s1] - Q) * live[s0:s1]
+            err = torch.linalg.solve_triangular(U[s0:s1, s0:s1], E, upper=True, left=False)
+            if fixed:
+                W[:, s0:s1] = Q
+            W[:, s1:g1] -= err @ U[s0:s1, s1:g1]
+            errs[:, s0 - g0:s1 - g0] = err
+        if g1 < n:
+            W[:, g1:] -= errs @ U[g0:g1, g1:]
+    return W.numpy()
 
 
 def quantize_compensated(matrix: np.ndarray, qtype: str | qt.QType, imatrix: np.ndarray | None,
@@ -224,5 +320,5 @@ def compensation_of(inputs, name: str) -> Compensation | None:
     return comp.get(name) if comp else None
 
 
-def compensations(hessians: Mapping[str, np.ndarray], damp: float) -> dict[str, Compensation]:
-    return {k: Compensation(v, float(damp)) for k, v in hessians.items()}  # shared arrays stay shared
+def compensations(hessians: Mapping[str, np.ndarray], damp: float, sweep: str = DEFAULT_SWEEP) -> dict[str, Compensation]:
+    return {k: Compensation(v, float(damp), sweep) for k, v in hessians.items()}  # shared arrays stay shared

@@ -201,7 +201,8 @@ def resolve_compensation(asg, *, allow: bool) -> dict:
     if got != rec.get("sha256"):
         refuse_or_warn(f"Hessians mismatch: the assignment was trained with {p} (sha256 {rec.get('sha256')}), "
                        f"the file now has sha256 {got}", allow)
-    return compensations(load_hessians(p), float(rec["damp"]))
+    # an assignment recorded before the sweep was a choice was made with "requant"
+    return compensations(load_hessians(p), float(rec["damp"]), str(rec.get("sweep", "requant")))
 
 
 def check_fixed(asg, fixed: Mapping[str, str], *, allow: bool) -> None:

@@ -93,6 +93,7 @@ def register(app: typer.Typer) -> None:
         error_compensation: str = typer.Option("auto", "--error_compensation", help="gptq: each tensor is handed to the same quantizer with every block's rounding error passed on to its later columns, from the layer inputs' Hessians on calibration text (stock llama-quantize writes the same types, not these bytes); none: every candidate quantizes the weights as they are (the bytes stock llama-quantize writes); auto: gptq (under --lazy from Hessians collected one decoder layer at a time: the same bytes), or none under tensor parallelism.", rich_help_panel=X),
         compensation_sequences: int = typer.Option(32, "--compensation_sequences", help="Calibration sequences of the Hessians under --error_compensation gptq (first N of the training tokens).", rich_help_panel=X),
         compensation_damp: float = typer.Option(0.1, "--compensation_damp", help="Damping of the Hessians: H + λ·mean(diag H)·I.", rich_help_panel=X),
+        compensation_sweep: str = typer.Option("fixed", "--compensation_sweep", help="How the compensation walk rounds a 256-weight superblock's 32-column steps: fixed (quantized once when the walk reaches it, later steps rounded with its scales; about 2× a plain candidate) or requant (quantized again at every step; 8–12× a plain candidate). The bytes are the quantizer's either way.", rich_help_panel=X),
         stock_references: Optional[List[str]] = typer.Option(None, "--stock_references", help="llama-quantize ftypes the guarantee considers (default: all; the largest three that fit are measured).", rich_help_panel=F),
     ) -> None:
         """Train the gates under the size budget, bake, and write the assignment."""
@@ -135,5 +136,5 @@ _FIELDS = {
     "resume", "dry_run", "method", "ptqr", "st_gumbel_fraction", "st_gumbel_tau", "warm_start", "warm_start_mass",
     "sensitivity_sequences", "polish", "loss_chunk_size", "grad_accum_steps", "teacher_device", "log_file",
     "finalize_from_partial", "resume_from_partial", "search_sequences", "search_evals", "search_confirm", "search_margin", "relaxation_gap", "guarantee", "stock_references", "sensitivity_kind",
-    "error_compensation", "compensation_sequences", "compensation_damp",
+    "error_compensation", "compensation_sequences", "compensation_damp", "compensation_sweep",
 }

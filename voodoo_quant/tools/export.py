@@ -223,6 +223,31 @@ def _weights_sha256(reader, selected: dict[str, str]) -> str:
     return provenance.weights_sha256(matrices())
 
 
+def candidate_bytes(cands: CandidateCache, w2: np.ndarray, q: str, vec, comp, want: str | None, *, name: str,
+                    lib=None, workers: int | None = None, allow: bool = False) -> bytes:
+    """The bytes export writes for tensor `name` (GGUF layout `w2`) in `q`: a compensated
+    candidate is read from the candidate cache when its entry's key (matrix, type, imatrix,
+    libggml, Hessian digest with damping and sweep version) matches and its bytes are the ones
+    training read (`want`, the assignment's sha256 of them; the cache checks its own sha256 too);
+    else it is computed again. What is computed must hash to `want` (when recorded), or export
+    refuses: training's bytes are written, or none (W' in float32 may round differently on other
+    hardware; the cache where training ran holds the bytes)."""
+    import hashlib
+
+    if comp is not None and applies(q):
+        data = cands.get(CandidateCache.key(w2, q, vec, compensation=comp))
+        if data is not None and (want is None or hashlib.sha256(data).hexdigest() == want):
+            return data
+    data = quantize_compensated(w2, q, vec, comp, lib=lib, name=name, workers=workers)
+    got = hashlib.sha256(data).hexdigest() if want is not None else None
+    if got != want:
+        how = "compensated " if comp is not None and applies(q) else ""
+        provenance.refuse_or_warn(
+            f"{name}: the {how}{q} bytes computed here have sha256 {got}, training's candidate had {want}; "
+            "export on the machine whose candidate cache holds them (VOODOO_CACHE_DIR), or train again here", allow)
+    return data
+
+
 def export(cfg: ExportConfig) -> ExportResult:
     asg = cfg.assignment if isinstance(cfg.assignment, Assignment) else Assignment.load(cfg.assignment)
     source = str(cfg.assignment) if isinstance(cfg.assignment, Path) else "the assignment"
@@ -346,13 +371,9 @@ def export(cfg: ExportConfig) -> ExportResult:
                 # Q8_0 and F16 (the base type and its fallback) take no imatrix (quantize_q8_0 ignores it)
                 vec = None if imat is None or t.name in fixed or qt.get(q).is_float else imat.get_vector(t.name, shape[-1])
                 comp = None if t.name in fixed else comp_of.get(t.name)  # the candidates' compensation
-                # a compensated candidate is read from the candidate cache when this machine built it
-                # (keyed by matrix, type, imatrix, library and Hessian, checked by its sha256), else
-                # computed again: the same bits either way
-                data = cands.get(CandidateCache.key(w2, q, vec, compensation=comp)) \
-                    if comp is not None and applies(q) else None
-                if data is None:
-                    data = quantize_compensated(w2, q, vec, comp, lib=lib, name=t.name, workers=cfg.workers)
+                want = None if t.name in fixed else recorded[t.name].sha256
+                data = candidate_bytes(cands, w2, q, vec, comp, want, name=t.name, lib=lib, workers=cfg.workers,
+                                       allow=cfg.allow_mismatch)
                 w.write_tensor_data(np.frombuffer(data, dtype=np.uint8))
             w.close()
 

@@ -116,6 +116,9 @@ class TrainConfig:
     error_compensation: str = "auto"
     compensation_sequences: int = 32  # calibration sequences of the Hessians (first N of the training tokens)
     compensation_damp: float = 0.1  # λ: H + λ·mean(diag H)·I
+    # the walk's rounding oracle (compensate.py): "fixed" quantizes a superblock once and rounds its
+    # later 32-column steps with those scales; "requant" asks the quantizer again at every step
+    compensation_sweep: str = "fixed"
     stock_references: tuple[str, ...] = STOCK_REFERENCES  # llama-quantize ftypes measured by the guarantee
 
     @property
@@ -190,6 +193,10 @@ class TrainConfig:
         if not isinstance(self.compensation_sequences, int) or isinstance(self.compensation_sequences, bool) \
                 or self.compensation_sequences < 1:
             raise ConfigError(f"--compensation_sequences must be an integer >= 1, got {self.compensation_sequences!r}")
+        from ..compensate import SWEEPS
+
+        if self.compensation_sweep not in SWEEPS:
+            raise ConfigError(f"--compensation_sweep must be one of {', '.join(SWEEPS)}, got {self.compensation_sweep!r}")
         if not (isinstance(self.compensation_damp, (int, float)) and 0 < self.compensation_damp < 1e3):
             raise ConfigError(f"--compensation_damp must be a number > 0, got {self.compensation_damp!r}")
         if self.error_compensation == "gptq" and self.tensor_parallel > 1:
@@ -290,5 +297,5 @@ class TrainConfig:
         d = {k: v for k, v in self.to_dict().items() if k not in self._RESULT_NEUTRAL}
         d["error_compensation"] = self.compensation
         if self.compensation == "none":  # their values reach nothing without compensation
-            del d["compensation_sequences"], d["compensation_damp"]
+            del d["compensation_sequences"], d["compensation_damp"], d["compensation_sweep"]
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]

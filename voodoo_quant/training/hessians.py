@@ -263,6 +263,6 @@ def ensure(cfg, base: nn.Module, plans: Sequence, tokens: torch.Tensor, *, weigh
         log.info("Hessians of %d tensors (%d stored) from %d sequences %s -> %s",
                  len(c.sizes) + len(c.shared), len(c.sizes), calib.shape[0], how, path)
     hs = load_hessians(path, key=key)
-    record = {"method": cfg.compensation, "damp": float(cfg.compensation_damp), "key": key,
+    record = {"method": cfg.compensation, "damp": float(cfg.compensation_damp), "sweep": cfg.compensation_sweep, "key": key,
               "hessians": str(path.resolve()), "sha256": fileio.sha256_file(path), "tensors": len(hs)}
-    return compensations(hs, cfg.compensation_damp), record
+    return compensations(hs, cfg.compensation_damp, cfg.compensation_sweep), record

@@ -29,7 +29,8 @@ def plan_references_for(run, base, vectors, imx, *, progress: bool = False) -> N
     run.references = refs
     weights = reader_weights(base, run.plans)  # a --lazy skeleton's are read one at a time
     run.extra_blobs = extra_candidate_blobs(run.plans, weights, vectors, refs.extra, progress=progress,
-                                            keep=_rank_shard(run) if run.tp is not None else None)
+                                            keep=_rank_shard(run) if run.tp is not None else None,
+                                            hashes=run.candidate_sha256)
 
 
 def _rank_shard(run):

@@ -246,7 +246,7 @@ class Sensitivity:
 
 def ensure_table(cfg, base: nn.Module, plans: Sequence, vectors, tokens: torch.Tensor,
                  *, progress: bool = False, need_curvature: bool = False,
-                 device: torch.device | None = None) -> Sensitivity:
+                 device: torch.device | None = None, hashes: dict | None = None) -> Sensitivity:
     """The run's sensitivity table of ``--sensitivity_kind``: reused from
     ``<output_dir>/sensitivity.pt`` when it was made from the same inputs, else computed from the
     float `base` (before the gates replace its weights) on the first ``--sensitivity_sequences``
@@ -271,7 +271,7 @@ def ensure_table(cfg, base: nn.Module, plans: Sequence, vectors, tokens: torch.T
     if streamed and kind != "fisher":
         raise ValueError(f"the {kind} table reads the loaded model (training/models.py sensitivity_model)")
     weights = reader_weights(base, plans)
-    sources = candidate_sources(plans, weights, vectors or {}, progress=progress)  # the cache training reads too
+    sources = candidate_sources(plans, weights, vectors or {}, progress=progress, hashes=hashes)  # the cache training reads too
 
     def blobs_for(p):
         return dict(zip(p.menu.types, sources(p)))

@@ -3,6 +3,8 @@ imatrix, plans, budget, candidates and gates."""
 
 from __future__ import annotations
 
+import hashlib
+
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -111,6 +113,9 @@ class RunSetup:
     references: object | None = None  # guarantee.References: the free assignments to beat
     # (tensor, off-menu type) -> its bytes; a tensor-parallel rank's shard of them (student.ShardedPacked)
     extra_blobs: dict[tuple[str, str], Any] = field(default_factory=dict)
+    # (tensor, type) -> sha256 of the candidate bytes this process read (candidate_sources): the
+    # assignment records the chosen one's, export checks its bytes against it
+    candidate_sha256: dict[tuple[str, str], str] = field(default_factory=dict)
     # the soft mixtures' outputs, kept across training steps (layers.MixBuffers); cleared when training ends
     mix_buffers: MixBuffers = field(default_factory=MixBuffers)
 
@@ -154,7 +159,7 @@ def _layout_provider(cfg: TrainConfig, adapter: ArchAdapter):
 def build_student(
     cfg: TrainConfig, base: nn.Module, plans: list[TensorPlan], budget: Budget, vectors: dict[str, np.ndarray],
     device: torch.device, dtype: torch.dtype, quantize=None, progress: bool = False,
-    init_logits: dict[str, torch.Tensor] | None = None, tp=None, tp_plan=None,
+    init_logits: dict[str, torch.Tensor] | None = None, tp=None, tp_plan=None, hashes: dict | None = None,
 ) -> dict[str, MixedQuant]:
     """Quantize every candidate (through the cache), attach the gates; returns them by name.
     Under tensor parallelism each MixedQuant holds this rank's shard of every candidate.
@@ -167,7 +172,7 @@ def build_student(
     reader = reader_of(base)
     params = dict(base.named_parameters(remove_duplicate=False))
     weights = reader_weights(base, plans)
-    sources = candidate_sources(plans, weights, vectors, quantize=quantize, progress=progress)
+    sources = candidate_sources(plans, weights, vectors, quantize=quantize, progress=progress, hashes=hashes)
     del weights
     planned = {f"{m}.weight" for p in plans for m in p.modules} | {p.name for p in plans}
     for name in planned:  # candidates are quantized from the float32 weights before anything is cast
@@ -217,16 +222,26 @@ class _ReaderWeights:
 
 
 def candidate_sources(plans: list[TensorPlan], weights, vectors: dict[str, np.ndarray], *, quantize=None,
-                      progress: bool = False):
+                      progress: bool = False, hashes: dict | None = None):
     """A function plan -> the ggml bytes of its menu rungs, read from the cache one tensor at a
-    time (every candidate is built into the cache first unless `quantize` is given)."""
+    time (every candidate is built into the cache first unless `quantize` is given). With
+    `hashes`, each (tensor, type) read gets the sha256 of its bytes there: the assignment records
+    the chosen one's, and export checks what it writes against it."""
     from ..cache import CandidateCache
     from ..precache import build_all
 
     if quantize is not None:
-        return lambda p: candidate_bytes(p, weights[p.name], vectors, quantize)
-    report = build_all(_jobs(plans, weights, vectors), CandidateCache(), progress=progress)
-    return lambda p: [report.paths[(p.name, t)].read_bytes() for t in p.menu.types]
+        read = lambda p: candidate_bytes(p, weights[p.name], vectors, quantize)  # noqa: E731
+    else:
+        report = build_all(_jobs(plans, weights, vectors), CandidateCache(), progress=progress)
+        read = lambda p: [report.paths[(p.name, t)].read_bytes() for t in p.menu.types]  # noqa: E731
+
+    def sources(p):
+        blobs = read(p)
+        if hashes is not None:
+            hashes.update({(p.name, t): hashlib.sha256(b).hexdigest() for t, b in zip(p.menu.types, blobs)})
+        return blobs
+    return sources
 
 
 def _jobs(plans, weights, vectors):
@@ -259,7 +274,8 @@ def plan_shard(tp_plan, plan: TensorPlan):
 
 
 def extra_candidate_blobs(plans: list[TensorPlan], weights: dict[str, torch.Tensor], vectors: dict[str, np.ndarray],
-                          wanted: dict[str, set[str]], *, progress: bool = False, keep=None) -> dict[tuple[str, str], Any]:
+                          wanted: dict[str, set[str]], *, progress: bool = False, keep=None,
+                          hashes: dict | None = None) -> dict[tuple[str, str], Any]:
     """(tensor, type) -> ggml bytes for types off a tensor's menu (the guarantee's references),
     through the same cache, quantizer and imatrix vector as the menu's candidates; with `keep`
     ((plan, type, bytes) -> what to hold), what it makes of each as it is read (a rank's shard)."""
@@ -284,7 +300,13 @@ def extra_candidate_blobs(plans: list[TensorPlan], weights: dict[str, torch.Tens
     report = build_all(jobs, CandidateCache(), progress=progress)
     by = {p.name: p for p in plans}
     keep = keep or (lambda plan, qtype, blob: blob)
-    return {(j.name, j.qtype): keep(by[j.name], j.qtype, report.paths[(j.name, j.qtype)].read_bytes()) for j in jobs}
+    out = {}
+    for j in jobs:
+        blob = report.paths[(j.name, j.qtype)].read_bytes()
+        if hashes is not None:
+            hashes[(j.name, j.qtype)] = hashlib.sha256(blob).hexdigest()
+        out[(j.name, j.qtype)] = keep(by[j.name], j.qtype, blob)
+    return out
 
 
 def candidate_blobs(plans: list[TensorPlan], weights: dict[str, torch.Tensor], vectors: dict[str, np.ndarray],

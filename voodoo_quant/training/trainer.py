@@ -139,8 +139,15 @@ class Trainer:
             need_curv = build and ((self.measures and cfg.searches) or (cfg.relaxation_gap and cfg.method == "gates"))
             with _main_first(tp):  # rank 0 computes and saves the table; the others load it
                 sens = ensure_table(cfg, sensitivity_model(cfg, base, tp), plans, vectors, self.run.tokens,
-                                    progress=self.progress, need_curvature=need_curv, device=device)
+                                    progress=self.progress, need_curvature=need_curv, device=device,
+                                    hashes=self.run.candidate_sha256)
             self.run.sensitivity, self.run.curvature = sens.table, sens.curvature
+            if cfg.method == "sensitivity" and not self.run.candidate_sha256:  # a stored table read no candidate
+                from .setup import candidate_sources, reader_weights
+
+                read = candidate_sources(plans, reader_weights(base, plans), vectors, hashes=self.run.candidate_sha256)
+                for p in plans:
+                    read(p)
         if build and cfg.method == "gates" and self.measures:
             # rank 0 quantizes the references' off-menu candidates into the cache and extends the
             # stored curvature to them; the others read both (every rank ranks moves alike)
@@ -155,7 +162,7 @@ class Trainer:
             init = methods.warm_start_logits(self.run) if cfg.warm_start else None
             with _main_first(tp):  # rank 0 fills the candidate cache; the others read it
                 mixed.update(build_student(cfg, base, plans, budget, vectors, device, dtype, progress=self.progress,
-                                           init_logits=init, tp=tp, tp_plan=tp_plan))
+                                           init_logits=init, tp=tp, tp_plan=tp_plan, hashes=self.run.candidate_sha256))
             if cfg.relaxation_gap and self.run.curvature:
                 from .relaxation import RelaxationGap
 
@@ -348,7 +355,7 @@ class Trainer:
             conf = round(float(probs[p.name][p.menu.types.index(t)]), 6) if t in p.menu.types else None
             tensors[p.name] = TensorChoice(
                 name=p.name, qtype=t, shape=p.shape, nbytes=sizes[p.name], gguf_name=p.gguf_name,
-                confidence=conf, menu=p.menu.types,
+                confidence=conf, menu=p.menu.types, sha256=run.candidate_sha256.get((p.name, t)),
             )
         final = history[-1].to_dict() if history else {}
         asg = Assignment(

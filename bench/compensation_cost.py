@@ -1,0 +1,123 @@
+"""What a compensated candidate costs against a plain one, per type, and where the time goes.
+
+One process, one thread, side by side: for a (rows × n) GGUF-layout matrix with a random SPD
+Hessian from correlated random activations (X scaled per column, H = XᵀX) and the matching imatrix
+vector, each type is quantized plain (one libggml-base call) and compensated with the "requant"
+sweep (the quantizer again at every 32-column step, float64) and the "fixed" sweep (a superblock
+quantized once, later steps rounded with its scales in torch, float32). Printed per type: seconds,
+compensated ÷ plain, the seconds spent inside libggml-base during the walk (quantize + dequantize),
+seconds per 1e9 weights on one core, and the layer objective of the file's bytes tr(E H Eᵀ) with
+E = W − Ŵ, each sweep's over plain's. The factor of each sweep is timed once per matrix (it is
+shared by a tensor's types and by the tensors that read the same input).
+
+    .venv/bin/python bench/compensation_cost.py --shape 1536x1536 --shape 256x8960
+    .venv/bin/python bench/compensation_cost.py --shape 1536x1536 --types Q4_K,IQ2_S --sweeps fixed
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+MENU = ("Q8_0", "Q5_0", "Q6_K", "Q5_K", "Q4_K", "Q3_K", "Q2_K", "IQ4_XS", "IQ3_S", "IQ2_S", "IQ2_XXS", "IQ1_S")
+
+
+class _Timed:
+    """libggml-base's quantize/dequantize with the seconds spent in them counted."""
+
+    def __init__(self, lib):
+        self.lib, self.seconds = lib, 0.0
+
+    def __getattr__(self, name):
+        return getattr(self.lib, name)
+
+    def quantize(self, *a, **k):
+        t = time.perf_counter()
+        try:
+            return self.lib.quantize(*a, **k)
+        finally:
+            self.seconds += time.perf_counter() - t
+
+    def dequantize(self, *a, **k):
+        t = time.perf_counter()
+        try:
+            return self.lib.dequantize(*a, **k)
+        finally:
+            self.seconds += time.perf_counter() - t
+
+
+def problem(rows: int, n: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    X = (rng.normal(size=(2 * n, n)) * np.exp(rng.normal(0, 0.7, n))).astype(np.float32)
+    mix = rng.normal(size=(n, n)).astype(np.float32) * 0.3 / np.sqrt(n)
+    X = X + X @ mix  # correlated columns: something for the walk to pass the error on to
+    H = (X.T @ X).astype(np.float32)
+    vec = (X ** 2).mean(0).astype(np.float32)
+    W = rng.normal(0, 0.02, (rows, n)).astype(np.float32)
+    return W, H, vec
+
+
+def main() -> None:
+    import torch
+
+    from voodoo_quant import compensate, ggml
+    from voodoo_quant.compensate import Compensation, compensated_matrix
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", action="append", help="ROWSxN (GGUF layout); repeatable", default=None)
+    ap.add_argument("--types", default=",".join(MENU))
+    ap.add_argument("--sweeps", default="requant,fixed")
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    lib = ggml.lib()
+    sweeps = a.sweeps.split(",")
+    for shape in a.shape or ["1536x1536"]:
+        rows, n = (int(x) for x in shape.split("x"))
+        W, H, vec = problem(rows, n)
+        H64 = H.astype(np.float64)
+        comps = {}
+        for sw in sweeps:
+            compensate.release_factors()
+            comps[sw] = Compensation(H, sweep=sw)
+            t = time.perf_counter()
+            comps[sw].factor()
+            print(f"# {rows} x {n}: factor of the {sw} sweep {time.perf_counter() - t:.2f} s", flush=True)
+        print(f"{'type':8} {'plain s':>8} {'s/1e9w':>8} " + " ".join(
+            f"{sw + ' s':>10} {'÷plain':>7} {'in ggml':>8} {'s/1e9w':>8} {'obj÷plain':>9}" for sw in sweeps), flush=True)
+
+        def objective(m: np.ndarray, q: str) -> float:
+            deq = lib.dequantize(lib.quantize(m, q, vec, name="bench", workers=1), q, m.shape, name="bench")
+            e = (W - deq).astype(np.float64)
+            return float(np.sum((e @ H64) * e))
+
+        for q in a.types.split(","):
+            if n % lib.block_size(q):
+                continue
+            lib.quantize(W[:1], q, vec, name="warm", workers=1)  # IQ grids initialized outside the timings
+            t = time.perf_counter()
+            lib.quantize(W, q, vec, name="bench", workers=1)
+            plain = time.perf_counter() - t
+            base = objective(W, q)
+            cells = []
+            for sw in sweeps:
+                compensate._FACTORS[comps[sw].digest] = comps[sw].factor()  # kept: the walk alone is timed
+                timed = _Timed(lib)
+                t = time.perf_counter()
+                m = compensated_matrix(W, q, vec, comps[sw], timed)
+                data = lib.quantize(m, q, vec, name="bench", workers=1)  # the candidate's bytes
+                dt = time.perf_counter() - t
+                deq = lib.dequantize(data, q, m.shape, name="bench")
+                e = (W - deq).astype(np.float64)
+                obj = float(np.sum((e @ H64) * e))
+                cells.append(f"{dt:10.2f} {dt / plain:7.2f} {timed.seconds:8.2f} {dt / W.size * 1e9:8.0f} {obj / base:9.3f}")
+            print(f"{q:8} {plain:8.3f} {plain / W.size * 1e9:8.0f} " + " ".join(cells), flush=True)
+
+
+if __name__ == "__main__":
+    main()
