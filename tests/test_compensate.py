@@ -385,10 +385,9 @@ def test_auto_compensation_is_gptq_in_one_process():
     assert TrainConfig(model="m", compression_ratio=0.6).error_compensation == "auto"
     assert TrainConfig(model="m", compression_ratio=0.6).compensation == "gptq"
     assert TrainConfig(model="m", compression_ratio=0.6, lazy=True).compensation == "gptq"  # collected layer by layer
-    assert TrainConfig(model="m", compression_ratio=0.6, tensor_parallel=2).compensation == "none"
+    assert TrainConfig(model="m", compression_ratio=0.6, tensor_parallel=2).compensation == "gptq"  # rank 0 collects
+    assert TrainConfig(model="m", compression_ratio=0.6, error_compensation="gptq", tensor_parallel=2).compensation == "gptq"
     assert TrainConfig(model="m", compression_ratio=0.6, error_compensation="none").compensation == "none"
-    with pytest.raises(ConfigError, match="tensor_parallel"):
-        TrainConfig(model="m", compression_ratio=0.6, error_compensation="gptq", tensor_parallel=2)
     with pytest.raises(ConfigError, match="error_compensation"):
         TrainConfig(model="m", compression_ratio=0.6, error_compensation="yes")
 

@@ -185,6 +185,15 @@ def test_reference_recipe_plans_from_a_config_alone():
     (post,) = [ln for ln in p.stdout.splitlines() if "post-bake measurements" in ln]
     assert " 0.00 GB" in post and "a served weight in use 0.64" in post and "probe (one sequence)" in post, post
     assert "torch.distributed.run" not in out  # nothing launched
+    # error compensation (auto: gptq under TP too): rank 0 collects the Hessians layer by layer, in
+    # a device phase under the training peak, and builds the compensated candidates; the Hessians
+    # file and the candidate cache are planned on disk
+    (coll,) = [ln for ln in out.splitlines() if ln.lstrip().startswith("device  layer-by-layer Hessian collection, rank 0")]
+    assert " 0.00 GB" in coll and "own phase, peak" in coll
+    assert "host    Hessians (--error_compensation), rank 0" in out
+    assert "host    layer-by-layer Hessian collection, rank 0" in out
+    assert "disk    candidate cache (VOODOO_CACHE_DIR)" in out and "disk    Hessians file (--output_dir)" in out
+    assert "disk    TOTAL" in out
 
 
 def test_the_hessians_of_error_compensation_are_planned_on_the_host(gate_model_dir, tmp_path, monkeypatch):
@@ -256,3 +265,26 @@ def test_the_layer_by_layer_hessians_of_a_lazy_run_are_planned_as_their_own_phas
     (term,) = [t for t in gpu.host if t.name.startswith("layer-by-layer Hessian collection")]
     assert f"peak {(PROCESS_BASELINE + stored + (4096 - 32) * 64 * 256 * 4) / 1e9:.2f} GB" in term.note
     assert any(t.name.startswith("layer-by-layer Hessian collection") for t in gpu.device)
+
+
+def test_disk_plan_counts_the_candidate_cache_and_the_hessians_file(gate_model_dir, tmp_path):
+    """The candidate cache holds every menu candidate of every tensor; with compensation the
+    Hessians file holds at most one n² float32 matrix per compensated tensor (shared inputs once)."""
+    import torch
+
+    from voodoo_quant.modeling import load_model
+
+    base = ["--model", str(gate_model_dir / "model"), "--data_dir", str(tmp_path), "--candidate_types", "Q8_0", "Q4_0",
+            "--compression_ratio", "0.6", "--seq_len", "64"]
+    run = dry_run(parse_train_flags(base))
+    cache = sum(sum(p.sizes) for p in run.plans)
+    disk = {t.name: t.bytes for t in run.memory.disk}
+    n = [m.in_features for m in load_model(str(gate_model_dir / "model")).modules() if isinstance(m, torch.nn.Linear)]
+    assert disk == {"candidate cache (VOODOO_CACHE_DIR)": cache, "Hessians file (--output_dir)": sum(k * k * 4 for k in n)}
+    plain = dry_run(parse_train_flags(base + ["--error_compensation", "none"])).memory
+    assert {t.name: t.bytes for t in plain.disk} == {"candidate cache (VOODOO_CACHE_DIR)": cache}
+    assert any(ln.startswith("  disk    TOTAL") for ln in run.memory.lines())
+    # under tensor parallelism rank 0 collects and builds: its terms say so
+    tp2 = dry_run(parse_train_flags(base + ["--tensor_parallel", "2"]), world=2).memory
+    assert any(t.name == "Hessians (--error_compensation), rank 0" for t in tp2.host)
+    assert any(t.name.startswith("layer-by-layer Hessian collection, rank 0") for t in tp2.host)

@@ -310,7 +310,9 @@ def test_voodoo_tp_cli_runs_the_ranks_and_writes_the_single_process_assignment(t
                         "--output_dir", str(tmp_path / "tp")], capture_output=True, text=True, env=env, timeout=900)
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     assert "torch.distributed.run --standalone --nproc_per_node 2" in p.stdout
-    one = Trainer(tp_case.config(d, tmp_path / "one", 1)).train()
+    # the flags' --error_compensation auto is gptq under TP too: rank 0 collected the one-process Hessians
+    one = Trainer(tp_case.config(d, tmp_path / "one", 1, error_compensation="gptq")).train()
+    assert (tmp_path / "tp" / "hessians.safetensors").read_bytes() == (tmp_path / "one" / "hessians.safetensors").read_bytes()
     got = json.loads((tmp_path / "tp" / "assignment.json").read_text())["tensors"]
     assert {n: t["qtype"] for n, t in got.items()} == {n: t.qtype for n, t in one.assignment.tensors.items()}
 

@@ -148,7 +148,7 @@ def test_result_hash_counts_the_compensation_used_not_the_flag():
     assert none.result_hash() == TrainConfig(**kw, error_compensation="none", lazy=True).result_hash()
     assert none.result_hash() != eager.result_hash()
     assert TrainConfig(**kw, error_compensation="gptq").result_hash() == eager.result_hash()
-    assert TrainConfig(**kw, tensor_parallel=2).compensation == "none"
+    assert TrainConfig(**kw, tensor_parallel=2).compensation == "gptq"  # rank 0 collects the Hessians
     # Without compensation its settings reach nothing; with it they do.
     assert none.result_hash() == TrainConfig(**kw, error_compensation="none", compensation_damp=0.5).result_hash()
     assert eager.result_hash() != TrainConfig(**kw, compensation_damp=0.5).result_hash()
@@ -161,7 +161,7 @@ def test_resume_across_a_change_of_compensation_is_refused(gate_model_dir, tmp_p
     first.train()
     assert first.run.provenance["compensation"]["method"] == "gptq"
     with pytest.raises(JournalMismatchError, match="error compensation gptq .*; this run's candidates have no error "
-                                                   "compensation .*auto is gptq in one process"):
+                                                   "compensation .*auto is gptq, in one process and under tensor parallelism"):
         Trainer(cfg_for(gate_model_dir, tmp_path / "a", max_steps=2, error_compensation="none")).train()
     with pytest.raises(JournalMismatchError, match="error compensation gptq"):
         Trainer(cfg_for(gate_model_dir, tmp_path / "a", max_steps=2, error_compensation="none",

@@ -68,6 +68,7 @@ class Term:
 class MemoryPlan:
     device: list[Term] = field(default_factory=list)  # per rank, on its device
     host: list[Term] = field(default_factory=list)  # per rank, host RAM at the loading peak
+    disk: list[Term] = field(default_factory=list)  # files the run writes or fills (the whole run, not per rank)
     world: int = 1
     device_kind: str = "cpu"
     capacity: float | None = None  # bytes of one device, when given
@@ -100,6 +101,10 @@ class MemoryPlan:
         for t in self.host:
             out.append(f"  host    {t.name:<34} {t.bytes / GB:9.2f} GB  {t.note}")
         out.append(f"  host    {'TOTAL (loading peak)':<34} {self.host_total / GB:9.2f} GB")
+        for t in self.disk:
+            out.append(f"  disk    {t.name:<34} {t.bytes / GB:9.2f} GB  {t.note}")
+        if self.disk:
+            out.append(f"  disk    {'TOTAL':<34} {sum(t.bytes for t in self.disk) / GB:9.2f} GB")
         if self.device_kind == "cpu":
             out.append(f"  cpu run peak RSS (device and host are one memory): {self.cpu_peak / GB:.2f} GB")
         if self.capacity is not None:
@@ -316,7 +321,10 @@ def plan_memory(cfg, model: nn.Module, plans: Sequence, *, adapter=None, tp_plan
     from .memory_phases import add_compensation, sensitivity_term
     if cfg.needs_sensitivity:
         mp.host.append(sensitivity_term(cfg, model, plans, full, world, hidden, n_layers, skeleton))
-    add_compensation(mp, cfg, model, plans, skeleton=skeleton)  # last: its --lazy phase is set against the rest
+    add_compensation(mp, cfg, model, plans, skeleton=skeleton, world=world)  # last: its layer-by-layer phase is set against the rest
+    mp.disk.insert(0, Term("candidate cache (VOODOO_CACHE_DIR)", float(sum(sum(p.sizes) for p in plans)),
+                           "every menu candidate of every tensor" + (" (compensated: keyed apart from plain ones)"
+                                                                   if cfg.compensation != "none" else "")))
     mp.advice = _advice(cfg, mp, capacity, replan)
     return mp
 

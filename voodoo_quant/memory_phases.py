@@ -145,61 +145,75 @@ def sensitivity_term(cfg, model: nn.Module, plans: Sequence, full: int, world: i
     return Term(f"sensitivity pass: {what}", stats, skip)
 
 
-def compensation_term(cfg, model: nn.Module, plans: Sequence, *, skeleton: bool = False) -> Term | None:
+def compensation_term(cfg, model: nn.Module, plans: Sequence, *, skeleton: bool = False, world: int = 1) -> Term | None:
     """``--error_compensation``, the larger of its two phases (the stored Hessians are mapped from
     their file, not held):
 
     - collection: one pass's Hessian accumulators (training/hessians.py), at most
       ``VOODOO_HESSIAN_PASS_GB``, or the largest single input when that is more; on a skeleton
-      (`skeleton`: --lazy) the collection runs layer by layer before anything is loaded, a phase
-      of its own (:func:`add_compensation`), and is not counted here;
+      (`skeleton`: --lazy, tensor parallelism) the collection runs layer by layer before anything
+      is loaded, a phase of its own (:func:`add_compensation`), and is not counted here;
     - candidates: in each of the ``VOODOO_QUANT_WORKERS`` quantization processes, the factors it
       keeps for a tensor's next type (compensate.py, at most ``FACTOR_CACHE_BYTES``) plus the float64
-      H, factor and inverse of the tensor it works on."""
+      H, factor and inverse of the tensor it works on.
+
+    Under tensor parallelism (`world` > 1) both are rank 0's: it collects the Hessians and builds
+    every candidate while the other ranks wait (training/hessians.py ``ensure``)."""
     if getattr(cfg, "compensation", "none") == "none":
         return None
     from . import envs
     from .compensate import FACTOR_CACHE_BYTES
-    from .training.hessians import compensable
 
-    modules = dict(model.named_modules())
-    dims = [p.layout.n_per_row for p in plans if compensable(p, modules)]
+    dims = compensable_dims(model, plans)
     if not dims:
         return None
     held = min(sum(n * n * 4 for n in dims), max(envs.hessian_pass_bytes(), max(dims) ** 2 * 4))
     workers = envs.quant_workers()
     per_worker = min(FACTOR_CACHE_BYTES, sum(n * n * 8 for n in dims)) + 3 * max(dims) ** 2 * 8
+    name = "Hessians (--error_compensation)" + (", rank 0" if world > 1 else "")
+    build = (f"{workers} quantization process(es) × (kept factors, ≤ {FACTOR_CACHE_BYTES >> 20} MiB, + one "
+             f"tensor's float64 H, factor and inverse: {per_worker / GB:.2f} GB) (VOODOO_QUANT_WORKERS)")
     if skeleton:
-        return Term("Hessians (--error_compensation)", workers * per_worker,
-                    f"{workers} quantization process(es) × (kept factors, ≤ {FACTOR_CACHE_BYTES >> 20} MiB, + one "
-                    f"tensor's float64 H, factor and inverse) (VOODOO_QUANT_WORKERS); collected layer by layer below")
-    return Term("Hessians (--error_compensation)", max(held, workers * per_worker),
-                f"the larger of one collection pass's n² float32 accumulators (VOODOO_HESSIAN_PASS_GB) and "
-                f"{workers} quantization process(es) × (kept factors, ≤ {FACTOR_CACHE_BYTES >> 20} MiB, + one "
-                f"tensor's float64 H, factor and inverse) (VOODOO_QUANT_WORKERS)")
+        return Term(name, workers * per_worker, f"{build}; collected layer by layer below")
+    return Term(name, max(held, workers * per_worker),
+                f"the larger of one collection pass's n² float32 accumulators (VOODOO_HESSIAN_PASS_GB) and {build}")
 
 
-def add_compensation(mp, cfg, model: nn.Module, plans: Sequence, *, skeleton: bool) -> None:
+def compensable_dims(model: nn.Module, plans: Sequence) -> list[int]:
+    """The input width n of every tensor compensation reads a Hessian for (n × n each)."""
+    from .training.hessians import compensable
+
+    modules = dict(model.named_modules())
+    return [p.layout.n_per_row for p in plans if compensable(p, modules)]
+
+
+def add_compensation(mp, cfg, model: nn.Module, plans: Sequence, *, skeleton: bool, world: int = 1) -> None:
     """Append ``--error_compensation``'s terms to `mp` (after every other term): the
-    :func:`compensation_term`, and on a skeleton (--lazy) the layer-by-layer collection
-    (training/layer_hessians.py), a phase of its own before the student and teacher are read:
-    what it holds beyond the rest of the host plan (and, on an accelerator, beyond the device's
-    training peak) is added, its own peak stated in the note."""
+    :func:`compensation_term`, and on a skeleton (--lazy, tensor parallelism) the layer-by-layer
+    collection (training/layer_hessians.py), a phase of its own before the student and teacher
+    are read (rank 0's under tensor parallelism): what it holds beyond the rest of the host plan
+    (and, on an accelerator, beyond the device's training peak) is added, its own peak stated in
+    the note. On disk: the Hessians file, ``<output_dir>/hessians.safetensors``."""
     from .memory import PROCESS_BASELINE
     from .training.layer_hessians import phase_bytes
 
-    term = compensation_term(cfg, model, plans, skeleton=skeleton)
+    term = compensation_term(cfg, model, plans, skeleton=skeleton, world=world)
     if term is None:
         return
     mp.host.append(term)
+    dims = compensable_dims(model, plans)
+    mp.disk.append(Term("Hessians file (--output_dir)", float(sum(n * n * 4 for n in dims)),
+                        f"at most: {len(dims)} n² float32 matrices (an input read by several tensors, as q/k/v, "
+                        "is stored once); mapped, not loaded, by the run and by export"))
     if not skeleton:
         return
+    who = ", rank 0" if world > 1 else ""
     stored, on_device, note = phase_bytes(cfg, model, plans)
     host = PROCESS_BASELINE + stored + (on_device if mp.device_kind == "cpu" else 0.0)
     over = host - mp.host_total
-    mp.host.append(Term("layer-by-layer Hessian collection" + (": above loading" if over > 0 else ""), max(0.0, over),
-                        f"own phase, peak {host / GB:.2f} GB: {note}"))
+    mp.host.append(Term(f"layer-by-layer Hessian collection{who}" + (": above loading" if over > 0 else ""),
+                        max(0.0, over), f"own phase, peak {host / GB:.2f} GB: {note}"))
     if mp.device_kind != "cpu":
         over = on_device - mp.device_total
-        mp.device.append(Term("layer-by-layer Hessian collection" + (": above training" if over > 0 else ""),
+        mp.device.append(Term(f"layer-by-layer Hessian collection{who}" + (": above training" if over > 0 else ""),
                               max(0.0, over), f"own phase, peak {on_device / GB:.2f} GB on the device"))

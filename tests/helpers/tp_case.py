@@ -7,8 +7,8 @@ assignment baked after a short run.
 ROOT holds the models written by `build_models`; each rank writes OUT/rank<r>.pt. A case
 "ARCH:lazy" runs with --lazy (packed candidate shards), "ARCH:guarantee" with the guarantee on,
 "ARCH:search" with the guarantee and the search on, "ARCH:confirm" with the search's result
-checked on a confirmation split, and "ARCH:probe" measures and probes the
-held-aside objective directly (:func:`probe_case`).
+checked on a confirmation split, "ARCH:comp" with error compensation (--lazy),
+and "ARCH:probe" measures and probes the held-aside objective directly (:func:`probe_case`).
 """
 
 from __future__ import annotations
@@ -23,10 +23,17 @@ ARCHS = ("llama", "qwen3", "qwen3_5", "lfm2")
 MENU = ("Q8_0", "Q5_0", "Q4_1", "Q4_0")
 
 
-def build_models(root: Path, archs=ARCHS) -> dict[str, Path]:
+def build_models(root: Path, archs=ARCHS, tokenizer: Path | None = None) -> dict[str, Path]:
+    """The tiny models; with `tokenizer` (an HF tokenizer dir, the SmolLM2 one) its files beside
+    each model and its vocabulary size, so that llama.cpp's converter (export) can read them."""
+    import shutil
+
     import transformers as T
 
-    common = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+    vocab = 512
+    if tokenizer is not None:
+        vocab = len(T.AutoTokenizer.from_pretrained(tokenizer))
+    common = dict(vocab_size=vocab, hidden_size=256, intermediate_size=512, num_attention_heads=4,
                   num_key_value_heads=2, bos_token_id=1, eos_token_id=2, max_position_embeddings=128,
                   initializer_range=0.08)
     out = {}
@@ -46,6 +53,8 @@ def build_models(root: Path, archs=ARCHS) -> dict[str, Path]:
                                                tie_word_embeddings=True, **common))
         d = root / arch
         m.save_pretrained(d / "model")
+        for f in (tokenizer.iterdir() if tokenizer is not None else ()):
+            shutil.copy(f, d / "model" / f.name)
         (d / "data").mkdir(parents=True, exist_ok=True)
         g = torch.Generator().manual_seed(1)
         torch.save(torch.randint(0, 512, (8, 40), generator=g), d / "data" / "train_tokens.pt")
@@ -75,8 +84,16 @@ def run_case(d: Path, out: Path, tp: int, **kw) -> dict:
     opt = torch.optim.Adam([mq.gates for mq in run.mixed.values()], lr=run.cfg.lr)
     m = tr._step(run, opt, 0)
     grads = {n: mq.gates.grad.detach().clone() for n, mq in run.mixed.items()}
-    res = Trainer(config(d, out / "train", tp, **kw)).train()
-    return {"ce": m.ce, "kl": m.kl, "grads": grads, "table": run.sensitivity,
+    trainer = Trainer(config(d, out / "train", tp, **kw))
+    res = trainer.train()
+    held = {}
+    if kw.get("error_compensation", "none") != "none":  # what this rank trained on at the written types
+        for n, t in res.assignment.tensors.items():
+            mq, plan = trainer.run.mixed[n], next(p for p in trainer.run.plans if p.name == n)
+            if t.qtype in plan.menu.types:
+                held[n] = mq.candidate(plan.menu.types.index(t.qtype)).detach().float().cpu().clone()
+    return {"ce": m.ce, "kl": m.kl, "grads": grads, "table": run.sensitivity, "held": held,
+            "compensation": res.assignment.compensation,
             "history": [(h.ce, h.kl, h.expected_bytes) for h in res.history],
             "choice": dict(sorted(res.bake.choice.items())), "total_bytes": res.bake.total_bytes,
             "written": {n: t.qtype for n, t in sorted(res.assignment.tensors.items())},
@@ -97,6 +114,10 @@ def _off_menu(run) -> dict:
 SEARCH = dict(guarantee=True, search_evals=8, search_sequences=2)
 # the same, with one of those two sequences moved to the confirmation split (the quarter cap of 8)
 CONFIRM = dict(SEARCH, search_sequences=1, search_confirm=1)
+
+
+# error compensation on --lazy candidate shards: rank 0 collects the Hessians layer by layer
+COMP = dict(lazy=True, error_compensation="gptq", compensation_sequences=5)
 
 
 def probe_case(d: Path, out: Path, tp: int) -> dict:
@@ -150,7 +171,7 @@ def main(argv: list[str]) -> None:
         if mode == "probe":
             results[case] = probe_case(root / arch, out / case.replace(":", "-"), 2)
             continue
-        modes = {"guarantee": {"guarantee": True}, "search": SEARCH, "confirm": CONFIRM}
+        modes = {"guarantee": {"guarantee": True}, "search": SEARCH, "confirm": CONFIRM, "comp": COMP}
         kw = modes.get(mode, {"lazy": mode == "lazy"})
         results[case] = run_case(root / arch, out / case.replace(":", "-"), 2, **kw)
         results[case]["whole_loads"] = len(whole)

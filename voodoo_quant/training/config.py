@@ -112,7 +112,7 @@ class TrainConfig:
     guarantee: bool = True  # measure uniform / stock / knapsack references and start from the best
     # error compensation (compensate.py): "gptq" hands the quantizer each tensor with every block's
     # rounding error passed on to the later columns, from layer-input Hessians (training/hessians.py;
-    # under --lazy one decoder layer at a time); "auto" is gptq in one process, none under tensor parallelism
+    # under --lazy one decoder layer at a time; under tensor parallelism by rank 0); "auto" is gptq
     error_compensation: str = "auto"
     compensation_sequences: int = 32  # calibration sequences of the Hessians (first N of the training tokens)
     compensation_damp: float = 0.1  # λ: H + λ·mean(diag H)·I
@@ -124,11 +124,9 @@ class TrainConfig:
     @property
     def compensation(self) -> str:
         """The error compensation this run uses: ``--error_compensation``, with auto resolved to
-        gptq in one process (under --lazy from Hessians collected one decoder layer at a time,
-        the same bytes), or to none under tensor parallelism (no rank holds every layer's input)."""
-        if self.error_compensation != "auto":
-            return self.error_compensation
-        return "none" if self.tensor_parallel > 1 else "gptq"
+        gptq (under --lazy and tensor parallelism from Hessians collected one decoder layer at a
+        time, on rank 0: the same bytes as one process reading the model whole)."""
+        return "gptq" if self.error_compensation == "auto" else self.error_compensation
 
     def __post_init__(self) -> None:
         if self.fill_menus is None:  # before the default replaces an omitted menu
@@ -199,9 +197,6 @@ class TrainConfig:
             raise ConfigError(f"--compensation_sweep must be one of {', '.join(SWEEPS)}, got {self.compensation_sweep!r}")
         if not (isinstance(self.compensation_damp, (int, float)) and 0 < self.compensation_damp < 1e3):
             raise ConfigError(f"--compensation_damp must be a number > 0, got {self.compensation_damp!r}")
-        if self.error_compensation == "gptq" and self.tensor_parallel > 1:
-            raise ConfigError("--error_compensation needs every layer's whole input in one process: "
-                              "not supported under --tensor_parallel yet")
         if self.sensitivity_kind not in SENSITIVITY_KINDS:
             raise ConfigError(f"--sensitivity_kind must be one of {', '.join(SENSITIVITY_KINDS)}, got {self.sensitivity_kind!r}")
         if self.sensitivity_kind == "measured" and self.tensor_parallel > 1:
@@ -292,8 +287,8 @@ class TrainConfig:
 
     def result_hash(self) -> str:
         """Hash of the settings that determine the result (journal compatibility). The error
-        compensation counts as resolved: ``auto`` is gptq in one process (eager or --lazy) and
-        none under tensor parallelism, whose candidates differ."""
+        compensation counts as resolved (``auto`` is gptq), so a journal trained on plain
+        candidates (an older tensor-parallel run's auto) is not resumed on compensated ones."""
         d = {k: v for k, v in self.to_dict().items() if k not in self._RESULT_NEUTRAL}
         d["error_compensation"] = self.compensation
         if self.compensation == "none":  # their values reach nothing without compensation

@@ -120,7 +120,8 @@ def load(path: Path, *, expect_hash: str, expect_names: set[str], expect_compens
     if expect_compensation is not None and state.compensation is not None and state.compensation != expect_compensation:
         hint = ""
         if state.compensation.get("method") != expect_compensation.get("method"):
-            hint = " (--error_compensation auto is gptq in one process, none under tensor parallelism)"
+            hint = (" (--error_compensation auto is gptq, in one process and under tensor parallelism; "
+                    "older versions resolved it to none under tensor parallelism)")
         elif state.compensation.get("hessians") != expect_compensation.get("hessians"):
             hint = " (the Hessians come from other inputs: other weights or other calibration text)"
         raise JournalMismatchError(

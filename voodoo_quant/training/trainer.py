@@ -130,7 +130,7 @@ class Trainer:
             calib = hold_aside(tokens, cfg.search_sequences, cfg.search_confirm)[0] if cfg.method == "gates" else tokens
             comps, compensation = hessians.ensure(cfg, base, plans, calib,
                                                   weights_sha256=self.run.provenance["weights_sha256"],
-                                                  progress=self.progress, device=device)
+                                                  progress=self.progress, device=device, tp=tp)
             vectors = QuantInputs(vectors, comps)
         self.run.provenance["compensation"] = compensation
         if cfg.needs_sensitivity:
