@@ -19,7 +19,7 @@ from .common import report_errors
 def parse_train_flags(args: list[str]):
     """The TrainConfig that `voodoo train <args>` would build (no model is loaded)."""
     from .app import app as root
-    from .train import _FIELDS, build_config
+    from .train import build_config
 
     group = typer.main.get_command(root)
     train_cmd = group.commands["train"]
@@ -31,7 +31,7 @@ def parse_train_flags(args: list[str]):
         if type(e).__name__ == "Exit":
             raise ConfigError("`voodoo tp` needs train flags after `--`") from None
         raise
-    return build_config(**{k: v for k, v in ctx.params.items() if k in _FIELDS})
+    return build_config(**ctx.params)
 
 
 def register(app: typer.Typer) -> None:

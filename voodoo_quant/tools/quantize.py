@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterator
 from .. import fileio
 from ..errors import ConfigError
 from ..menus import MenuConfig
+from ..settings import OUTPUT, key_dict
 from ..training.config import TrainConfig
 from .manifest import Clock, Manifests, digest
 from .variant import Variant
@@ -43,6 +44,9 @@ EVAL_NAME = "eval.json"
 PLOT_NAME = "pareto.png"
 IMATRIX_NAME = "imatrix.gguf"
 FLOOR = "Q8_0"  # always measured: the KLD floor of every table
+# Train settings that are paths: a ladder step keys them by what they hold (teacher, data, imatrix)
+# or by where the ladder puts them (the run folder), not by their names.
+_KEYED_BY_CONTENT = ("model", "data_dir", "imatrix", "output_dir")
 # Fields QuantizeConfig sets itself; `train_extra` may not override them.
 _OWNED = {"model", "data_dir", "data_name", "output_dir", "output_name", "imatrix", "compression_ratio", "target_bits",
           "max_steps", "seq_len", "candidate_types", "attention_candidates", "non_attention_candidates", "seed",
@@ -356,8 +360,8 @@ class Ladder:
         tcfg = self.cfg.train_config(size, self.teacher_hf, self.data_dir, self.imatrix, run)
         if variant is not None:
             tcfg = variant.apply(tcfg)
-        skip = ("model", "data_dir", "imatrix", "output_dir", *TrainConfig.OUTPUT_NEUTRAL)
-        settings = {k: v for k, v in tcfg.to_dict().items() if k not in skip}
+        # what changes the trained file (settings.py); the paths are keyed by their contents above
+        settings = {k: v for k, v in key_dict(tcfg, OUTPUT).items() if k not in _KEYED_BY_CONTENT}
         inputs = {"teacher": self.keys["make-teacher"], "data": self.keys["data"], "imatrix": self.keys["imatrix"],
                   "train": settings}
         # One sensitivity table per compensation and seed (its key holds both): variants that
