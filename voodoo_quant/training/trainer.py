@@ -364,6 +364,10 @@ class Trainer:
             },
         )
         asg.meta["pinned"] = len(res.pinned)
+        if cfg.target_size is not None:  # the whole file's bytes asked for (training/target_size.py)
+            from ..sizes import parse_size
+
+            asg.meta["target_size"] = parse_size(cfg.target_size)
         if outcome is not None:
             asg.meta["guarantee"] = outcome.report()
         out = cfg.out_dir
