@@ -187,3 +187,23 @@ def test_old_spellings_are_aliases(command, args, param, value):
             req += [p.opts[0], "1"]
     ctx = cmd.make_context(command, rest + req, parent=root)
     assert ctx.params[param] == value
+
+
+def test_every_experiment_is_registered_with_its_settings_and_lab_entry():
+    from pathlib import Path
+
+    from voodoo_quant import experimental
+    from voodoo_quant.training import methods
+    from voodoo_quant.training.config import METHODS
+
+    exp_settings = {s for e in experimental.REGISTRY.values() for s in e.settings}
+    panel = {f.name for f, s in S.declared(TrainConfig) if s.panel == S.EXPERIMENTAL}
+    assert exp_settings == panel
+    labs = {f.name: s.lab for f, s in S.declared(TrainConfig)}
+    for e in experimental.REGISTRY.values():
+        assert (Path(__file__).parent.parent / e.lab).is_file(), e.lab
+        assert all(labs[s] == e.lab for s in e.settings), e.name
+    assert not experimental.active(TrainConfig(model="m", compression_ratio=0.5))
+    assert [e.name for e in experimental.active(TrainConfig(model="m", compression_ratio=0.5, search_evals=2))] == ["search"]
+    assert set(methods.RUNNERS) < set(METHODS)
+    assert methods.runner_for(TrainConfig(model="m", compression_ratio=0.5)) is None
