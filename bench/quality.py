@@ -205,8 +205,8 @@ class Bench:
             model=str(c.model), texts=[str(t.calib)], eval_texts=[str(t.evals[d]) for d in texts_mod.DOMAINS],
             sizes=sizes, output_dir=c.work / f"ladder-{'+'.join(c.calib)}", model_name=c.name, seq_len=c.seq_len,
             degrid_seed=c.degrid_seed,
-            calib_sequences=c.calib_sequences, steps=c.steps[0], candidate_types=c.menu or None, device=c.device,
-            dtype=c.dtype, lazy=c.lazy, train_extra=dict(c.train_extra), eval=False, threads=c.threads)
+            calib_sequences=c.calib_sequences, max_steps=c.steps[0], candidate_types=c.menu or None, device=c.device,
+            dtype=c.dtype, lazy=c.lazy, train_extra=dict(c.train_extra), eval=False, workers=c.threads)
 
     def resolve_sizes(self) -> tuple[int, ...]:
         from voodoo_quant.tools.preflight import reachable
@@ -336,7 +336,7 @@ class Bench:
     def ppl_args(self, ladder) -> list[str]:
         from voodoo_quant.tools.evaluate import perplexity_args
 
-        return perplexity_args(self.cfg.ctx, self.cfg.chunks, ladder.pre.threads)
+        return perplexity_args(self.cfg.ctx, self.cfg.chunks, ladder.pre.workers)
 
     def do(self, ladder, item: Item, texts: list[str], before: dict[str, float]) -> int:
         """Make the item's file and append one row per missing eval text; returns the rows added.
@@ -359,7 +359,7 @@ class Bench:
                  **item.key(), **{k: v for k, v in asdict(row).items() if k != "tokens"}, "reference_ppl": ref_ppl,
                  "kld_chunks": [round(x, 7) for x in chunks], "n_chunks": len(chunks), **facts,
                  "make_seconds": {k: s for k, s in steps.items() if k not in SHARED_STEPS}, "eval_seconds": round(dt, 1),
-                 "peak_rss_mb": store.peak_rss_mb(), "threads": ladder.pre.threads, "cpus": os.cpu_count(),
+                 "peak_rss_mb": store.peak_rss_mb(), "threads": ladder.pre.workers, "cpus": os.cpu_count(),
                  "versions": self.versions, "session": self.session, "date": _now(), "command": self.command,
                  "config": conf}
             store.append_rows(self.cfg.results, [r])

@@ -38,8 +38,8 @@ t0=$(date +%s)
 # The teacher is de-gridded (seed 0): the packaged weights are a dequantized Q4_1 file, whose grid
 # would hand Q4_1/Q5_1 free exact rungs (docs/facts.md). Held-out plays (15 %, by document) are the eval text.
 $V quantize --model "$GGUF" --text "$PLAYS" --glob "*.md" --eval_fraction 0.15 --degrid_seed 0 \
-  --model_name SmolLM2-135M-Instruct --base_model HuggingFaceTB/SmolLM2-135M-Instruct --sizes $SIZES --steps "$STEPS" --seq_len "$SEQ_LEN" \
-  --calib_sequences "$CALIB_SEQS" --candidate_types $MENU --stock $STOCK --eval_chunks "$EVAL_CHUNKS" \
+  --model_name SmolLM2-135M-Instruct --base_model HuggingFaceTB/SmolLM2-135M-Instruct --sizes $SIZES --max_steps "$STEPS" --seq_len "$SEQ_LEN" \
+  --calib_sequences "$CALIB_SEQS" --candidate_types $MENU --stock $STOCK --chunks "$EVAL_CHUNKS" \
   --output_dir "$OUT" -- --search_evals "$SEARCH_EVALS" --search_sequences "$SEARCH_SEQS"
 
 echo

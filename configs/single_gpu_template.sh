@@ -32,7 +32,7 @@ $V train --model "$MODEL" --compression_ratio 0.45 --candidate_types $MENU --dry
 
 say "the ladder (train flags after --: here a Q8_0 teacher, as llama.cpp would serve it)"
 $V quantize --model "$MODEL" --text "$CORPUS" --sizes $SIZES --output_dir "$OUT" --model_name "$NAME" \
-  --seq_len "$SEQ_LEN" --steps "$STEPS" --calib_sequences "$CALIB_SEQS" --candidate_types $MENU \
+  --seq_len "$SEQ_LEN" --max_steps "$STEPS" --calib_sequences "$CALIB_SEQS" --candidate_types $MENU \
   --device "$DEVICE" --dtype "$DTYPE" --lazy -- --teacher_quant Q8_0
 
 echo "ladder and card: $OUT/README.md"

@@ -27,7 +27,7 @@ import typer
 from voodoo_quant.cli.app import app
 from voodoo_quant.cli.argv import declared_flags, normalize
 from voodoo_quant.cli.tp import parse_train_flags
-from voodoo_quant.cli.train import _FIELDS, build_config
+from voodoo_quant.cli.train import build_config
 from voodoo_quant.errors import VoodooError
 
 try:  # newer typer parses with a vendored copy of click whose errors are not click's own
@@ -299,7 +299,7 @@ def check(cmd: Command) -> str | None:
     try:
         ctx = sub.make_context(name, normalize(rest, declared_flags(sub)))
         if name == "train":
-            build_config(**{k: v for k, v in ctx.params.items() if k in _FIELDS})
+            build_config(**ctx.params)
         elif name == "tp":
             cfg = parse_train_flags(list(ctx.args))
             if cfg.tensor_parallel not in (1, ctx.params["nproc"]):

@@ -64,6 +64,8 @@ def test_bad_variable_is_a_warning_not_a_crash(monkeypatch):
 
 def test_world_size_validated():
     with pytest.raises(ConfigError):
-        DoctorConfig(world_size=0)
-    r = CliRunner().invoke(app, ["doctor", "--world-size", "0"])
-    assert r.exit_code == 2 and "world-size" in r.stderr
+        DoctorConfig(tensor_parallel=0)
+    # the one name of the degree, and the old spellings (the reference launcher's --world-size)
+    for flag in ("--tensor_parallel", "--tensor-parallel", "--world_size", "--world-size", "--nproc"):
+        r = CliRunner().invoke(app, ["doctor", flag, "0"])
+        assert r.exit_code == 2 and "--tensor_parallel must be >= 1" in r.stderr, (flag, r.output)

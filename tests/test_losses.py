@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch.nn.utils import parametrize
 
-from voodoo_quant.training import losses, routing
+from voodoo_quant.experimental import routing
+from voodoo_quant.training import losses
 from voodoo_quant.training.config import TrainConfig
 from voodoo_quant.training.trainer import Trainer
 

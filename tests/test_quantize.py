@@ -32,7 +32,7 @@ def ladder_text_dir(tmp_path_factory):
 
 def _cfg(model, text, out, **kw):
     base = dict(model=str(model), texts=[str(text)], sizes=(60, 75), output_dir=out, model_name="Tiny", seq_len=64,
-                eval_fraction=0.34, calib_sequences=4, steps=2, eval_ctx=128, eval_chunks=2, stock=("Q4_0",))
+                eval_fraction=0.34, calib_sequences=4, max_steps=2, ctx=128, chunks=2, stock=("Q4_0",))
     return QuantizeConfig(**{**base, **kw})
 
 
@@ -108,7 +108,7 @@ def test_ladder_card_matches_eval_json_and_resumes(tiny_llama_hf_dir, ladder_tex
     assert neutral.ran == [], neutral.ran
 
     # A changed training setting reruns what depends on it (train, export, their evals), nothing else.
-    third = quantize(_cfg(tiny_llama_hf_dir, ladder_text_dir, out, steps=3), progress=False)
+    third = quantize(_cfg(tiny_llama_hf_dir, ladder_text_dir, out, max_steps=3), progress=False)
     assert sorted(third.ran) == sorted(["train-Voodoo60", "export-Voodoo60", "train-Voodoo75", "export-Voodoo75",
                                         "eval-Tiny.Voodoo60_IQ3_M", "eval-Tiny.Voodoo75_Q4_K_M"]), third.ran
     # (no candidate-cache step: the default error compensation has the first size build the candidates

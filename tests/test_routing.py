@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.utils import parametrize
 
-from voodoo_quant.training import routing
+from voodoo_quant.experimental import routing
 from voodoo_quant.training.config import TrainConfig
 from voodoo_quant.training.trainer import Trainer
 

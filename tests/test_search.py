@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from voodoo_quant.errors import ConfigError
-from voodoo_quant.training import search as S
+from voodoo_quant.experimental import search as S
 from voodoo_quant.training.config import TrainConfig
 from voodoo_quant.training.objective import HeldAside
 from voodoo_quant.training.rungs import menu_rungs, release, serve, total_bytes
@@ -326,7 +326,7 @@ def test_margin_rejects_a_drop_that_the_sequences_disagree_on():
 def test_relaxation_gap_restores_the_one_hot_kl_the_mixture_hides(built):
     """KL(mixture) + gap predicts the mean KL of the one-hot files the mixture stands for; the
     mixture alone is optimistic (the gates drifted to cheap rungs by rewarding mixing)."""
-    from voodoo_quant.training.relaxation import RelaxationGap
+    from voodoo_quant.experimental.relaxation import RelaxationGap
 
     tr, held = built
     run = tr.run

@@ -36,6 +36,8 @@ class VoodooConfig:
     compression_ratio: float | None = None  # default 0.45 when target_bits is not given either
     target_bits: float | None = None
     calib_texts: Sequence[str] = ()
+    # shorter than train's SEQ_LEN (512): a notebook's calib_texts are a few paragraphs, and every
+    # sequence must be whole; 50 steps as `voodoo quantize` (WHITEPAPER, training steps)
     seq_len: int = 256
     max_steps: int = 50
     lr: float = 0.5

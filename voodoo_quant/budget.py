@@ -8,7 +8,8 @@ weight that is not a Linear/Embedding), which export writes as the tool's base t
 tokenizer) is the same for every assignment and is reported separately by export.
 ``--compression_ratio r`` targets ``r`` × (selectable + fixed tensors at uniform Q8_0, each
 through llama.cpp's fallback where Q8_0 cannot take its rows); ``--target_bits b`` targets ``b``
-bits per weight of those tensors. The fixed bytes are taken off the target first: the gates share
+bits per weight of those tensors; ``--target_size`` targets the whole file (``training/target_size.py``
+turns it into these tensors' bytes). The fixed bytes are taken off the target first: the gates share
 what is left. Without fixed tensors (every shipped dense architecture) both are the selectable
 tensors' alone.
 """
@@ -65,9 +66,11 @@ def make_budget(
     budget_reduction: float = 0.0,
     tolerance: float = 0.02,
     fixed: Mapping[str, tuple[int, ...]] | None = None,  # GGUF name -> shape of the fixed tensors
+    file_bytes: int | None = None,  # --target_size: the whole file (training/target_size.py)
+    other_bytes: int = 0,  # what the file holds beside the selectable and fixed tensors
 ) -> Budget:
-    if (compression_ratio is None) == (target_bits is None):
-        raise ConfigError("give exactly one of --compression_ratio and --target_bits")
+    if sum(x is not None for x in (compression_ratio, target_bits, file_bytes)) != 1:
+        raise ConfigError("give exactly one of --compression_ratio, --target_bits and --target_size")
     if not 0.0 <= budget_reduction < 1.0:
         raise ConfigError(f"--budget_reduction must be in [0, 1), got {budget_reduction}")
     if not 0.0 <= tolerance < 1.0:
@@ -85,6 +88,10 @@ def make_budget(
             raise ConfigError(f"--compression_ratio must be in (0, 4], got {compression_ratio}")
         total = int(round(compression_ratio * (q8 + f_q8)))
         what = f"--compression_ratio {compression_ratio}"
+    elif file_bytes is not None:
+        # the selectable tensors' upper bound, target × (1 + tolerance), fits what the file leaves them
+        total = f_bytes + int((file_bytes - other_bytes - f_bytes) / (1.0 + tolerance))
+        what = f"--target_size {file_bytes:,} bytes ({other_bytes:,} of them metadata and tensors never quantized)"
     else:
         if not 0.0 < target_bits <= 32.0:
             raise ConfigError(f"--target_bits must be in (0, 32], got {target_bits}")

@@ -36,6 +36,8 @@ VARIABLES: tuple[EnvVar, ...] = (
            "built with the system C compiler (voodoo_quant/mixkernel.py); 0: float32 stacks", "1"),
     EnvVar("VOODOO_HESSIAN_PASS_GB", "GB of Hessian accumulators one collection pass of --error_compensation "
            "holds (on the model's device); a larger model takes more passes over the calibration text", "4"),
+    EnvVar("VOODOO_HELP_EXPERIMENTAL", "1: `--help` also lists the Experimental panel (settings measured no better "
+           "than the default; they work either way)", "0"),
     EnvVar("VOODOO_TINY_RECIPE", "1 shrinks every run (steps, sequences) for fast tests", "0"),
     EnvVar("VOODOO_FAULT_AT", "tests only: SIGKILL the process at a named point, e.g. step:3, bake, "
            "write:partial.pt:2, export:tensor:5 (the n-th hit, default 1); never set it otherwise"),
@@ -132,6 +134,10 @@ def _switch(name: str, env: Mapping[str, str] | None, default: bool) -> bool:
 
 def tiny_recipe(env: Mapping[str, str] | None = None) -> bool:
     return _switch("VOODOO_TINY_RECIPE", env, False)
+
+
+def help_experimental(env: Mapping[str, str] | None = None) -> bool:
+    return _switch("VOODOO_HELP_EXPERIMENTAL", env, False)
 
 
 def mix_kernel(env: Mapping[str, str] | None = None) -> bool:

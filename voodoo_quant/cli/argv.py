@@ -2,6 +2,8 @@
 
 - Either spelling of a flag works: ``--size_weight`` and ``--size-weight`` both reach the option
   the command declares (the reference recipe spells flags in snake_case).
+- Old spellings: a flag renamed so that one idea has one name in every command keeps its old
+  name as an alias (``--steps`` for ``--max_steps``), rewritten here and not listed in ``--help``.
 - Space-separated lists: a list flag (an option declared as a list, which Click takes once per
   occurrence) takes every value up to the next flag, ``--gguf a.gguf b.gguf`` as
   ``--gguf a.gguf --gguf b.gguf`` (``--candidate_types Q8_0 Q5_K IQ3_S``, as in the reference
@@ -17,9 +19,11 @@ from typing import Iterable, Sequence
 
 class Flags(list):
     """A command's declared long and short flags; ``lists`` holds the keys (snake_case, without
-    ``--``) of those that take several values."""
+    ``--``) of those that take several values, ``aliases`` its old spellings (key -> the key of
+    the flag they stand for; ``cli/options.py``)."""
 
     lists: frozenset[str] = frozenset()
+    aliases: dict[str, str] = {}
 
 
 def _key(flag: str) -> str:
@@ -29,6 +33,9 @@ def _key(flag: str) -> str:
 def normalize(args: Sequence[str], known: Iterable[str]) -> list[str]:
     """Rewrite `args` for a command whose declared flags are `known` (:func:`declared_flags`)."""
     by_key = {_key(k): k for k in known if k.startswith("--")}
+    for old, new in getattr(known, "aliases", {}).items():
+        if old not in by_key and _key("--" + new) in by_key:
+            by_key[old] = by_key[_key("--" + new)]
     lists = getattr(known, "lists", frozenset())
     out: list[str] = []
     args = list(args)
@@ -59,7 +66,10 @@ def normalize(args: Sequence[str], known: Iterable[str]) -> list[str]:
 
 
 def declared_flags(cmd) -> Flags:
+    from .options import ALIASES
+
     flags, lists = Flags(), set()
+    flags.aliases = dict(ALIASES.get(getattr(cmd, "name", None) or "", {}))
     for p in getattr(cmd, "params", []):
         opts = list(getattr(p, "opts", [])) + list(getattr(p, "secondary_opts", []))
         flags += opts

@@ -9,19 +9,22 @@ from rich.table import Table
 
 from ..tools.doctor import MISSING, WARN, DoctorConfig, run_doctor
 from .common import console, err_console, report_errors
+from .options import add_aliases
 
 _STYLE = {"ok": "green", WARN: "yellow", MISSING: "bold red"}
 
 
 def register(app: typer.Typer) -> None:
+    add_aliases("doctor", {"world_size": "tensor_parallel", "nproc": "tensor_parallel"})
+
     @app.command("doctor")
     @report_errors
     def _cmd(
         as_json: bool = typer.Option(False, "--json", help="Print the report as JSON instead of a table."),
-        world_size: int = typer.Option(1, "--world-size", help="Ranks per host `voodoo tp` would run (sizes the thread caps)."),
+        tensor_parallel: int = typer.Option(1, "--tensor_parallel", help="Ranks per host `voodoo tp` would run (sizes the thread caps)."),
     ) -> None:
         """Hardware / libggml / llama.cpp tools / environment report, with reasons. Exits 1 when something required is missing."""
-        report = run_doctor(DoctorConfig(world_size=world_size))
+        report = run_doctor(DoctorConfig(tensor_parallel=tensor_parallel))
         if as_json:
             typer.echo(json.dumps(report.to_dict(), indent=2))
         else:

@@ -11,6 +11,7 @@ from rich.table import Table
 
 from ..errors import ConfigError
 from .common import console, report_errors
+from .options import add_aliases
 
 
 def _fmt(v, spec: str) -> str:
@@ -31,6 +32,8 @@ def rows_table(rows: list[dict], title: str) -> Table:
 
 
 def register(app: typer.Typer) -> None:
+    add_aliases("eval", {"threads": "workers"})
+
     @app.command("eval")
     @report_errors
     def _cmd(
@@ -41,7 +44,7 @@ def register(app: typer.Typer) -> None:
         tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="Tokenizer to detokenize --eval_tokens for GGUF eval (default: --reference)."),
         ctx: int = typer.Option(512, "-c", "--ctx", help="llama-perplexity context: chunks of this many tokens, second half scored."),
         chunks: Optional[int] = typer.Option(None, "--chunks", help="Max chunks for llama-perplexity (default all)."),
-        threads: Optional[int] = typer.Option(None, "--threads", help="llama-perplexity -t (default VOODOO_QUANT_WORKERS)."),
+        workers: Optional[int] = typer.Option(None, "--workers", help="llama-perplexity -t (default VOODOO_QUANT_WORKERS)."),
         model: Optional[str] = typer.Option(None, "--model", help="Torch eval: the student (HF dir, GGUF, or a voodoo .pt)."),
         teacher_checkpoint: Optional[Path] = typer.Option(None, "--teacher_checkpoint", "--teacher-checkpoint",
                                                           help="Torch eval: the Q8_0 teacher .pt from make-teacher."),
@@ -60,7 +63,7 @@ def register(app: typer.Typer) -> None:
             if reference is None:
                 raise ConfigError("--gguf needs --reference GGUF (the model whose logits are the KL base)")
             cfg = GGUFEvalConfig(files=list(gguf), reference=reference, text=text, eval_tokens=eval_tokens,
-                                 tokenizer=tokenizer, ctx=ctx, chunks=chunks, threads=threads,
+                                 tokenizer=tokenizer, ctx=ctx, chunks=chunks, workers=workers,
                                  output_json=output_json, plot=plot)
             res = evaluate_ggufs(cfg)
             console.print(rows_table(res["rows"], f"KLD vs {reference.name} (PPL {res['reference']['ppl']:.4f}), -c {ctx}"))

@@ -12,7 +12,9 @@ from typing import List, Optional
 
 import typer
 
+from ..training.config import SEQ_LEN
 from .common import console, report_errors
+from .options import add_aliases
 
 T = "Training"
 E = "Evaluation and card"
@@ -46,22 +48,25 @@ def train_extra(args: list[str]) -> dict:
 
 
 def register(app: typer.Typer) -> None:
+    add_aliases("quantize", {"steps": "max_steps", "eval_ctx": "ctx", "eval_chunks": "chunks", "threads": "workers"})
+
     @app.command("quantize", context_settings={"allow_extra_args": True, "ignore_unknown_options": False})
     @report_errors
     def quantize(
-        ctx: typer.Context,
+        context: typer.Context,
         model: str = typer.Option(..., "--model", help="HF checkpoint dir or GGUF file."),
         text: List[str] = typer.Option(..., "--text", help="Text files, folders or .jsonl files (space separated)."),
         sizes: List[str] = typer.Option(["30", "45", "60"], "--sizes", help="Standard sizes: percent of uniform Q8_0 (30 45 60 → Voodoo30/45/60)."),
         output_dir: Path = typer.Option(..., "--output_dir", help="The ladder: GGUFs, imatrix, eval, card; work files under work/."),
         model_name: Optional[str] = typer.Option(None, "--model_name", help="<Model> in the file names (default: from the model's name)."),
-        seq_len: int = typer.Option(512, "--seq_len", help="Tokens per training sequence.", rich_help_panel=T),
+        seq_len: int = typer.Option(SEQ_LEN, "--seq_len", help="Tokens per training sequence.", rich_help_panel=T),
         eval_fraction: float = typer.Option(0.1, "--eval_fraction", help="Held-out fraction of the documents (eval text)."),
         eval_text: Optional[List[str]] = typer.Option(None, "--eval_text", help="Explicit held-out documents instead of --eval_fraction."),
         glob: str = typer.Option("*", "--glob", help="File pattern inside text folders."),
         degrid_seed: Optional[int] = typer.Option(None, "--degrid_seed", help="De-grid a model whose weights are a dequantized quant (see make-teacher)."),
         calib_sequences: int = typer.Option(64, "--calib_sequences", help="Train sequences the imatrix is computed on."),
-        steps: int = typer.Option(50, "--steps", help="Training steps per size.", rich_help_panel=T),
+        max_steps: int = typer.Option(50, "--max_steps", help="Training steps per size.", rich_help_panel=T),
+        target_size: Optional[str] = typer.Option(None, "--target_size", metavar="SIZE", help="One file of at most this size (the whole file: 1.2GB, 800MiB or bytes), named by the one size in --sizes.", rich_help_panel=T),
         batch_size: int = typer.Option(1, "--batch_size", help="Sequences per step.", rich_help_panel=T),
         candidate_types: Optional[List[str]] = typer.Option(None, "--candidate_types", help="Default menu (as `voodoo train`).", rich_help_panel=T),
         attention_candidates: Optional[List[str]] = typer.Option(None, "--attention_candidates", help="Menu of the attention family.", rich_help_panel=T),
@@ -73,9 +78,9 @@ def register(app: typer.Typer) -> None:
         share_teacher_forward: bool = typer.Option(True, "--share_teacher_forward/--no_share_teacher_forward", help="Cache the teacher's hidden states per batch for the other sizes (exact).", rich_help_panel=T),
         stock: Optional[List[str]] = typer.Option(None, "--stock", help="Stock llama-quantize recipes to compare with (default: each size's badge; Q8_0 always).", rich_help_panel=E),
         eval: bool = typer.Option(True, "--eval/--no_eval", help="Evaluate every file in stock llama-perplexity.", rich_help_panel=E),
-        eval_ctx: int = typer.Option(512, "--eval_ctx", help="-c of llama-perplexity.", rich_help_panel=E),
-        eval_chunks: int = typer.Option(20, "--eval_chunks", help="llama-perplexity chunks.", rich_help_panel=E),
-        threads: Optional[int] = typer.Option(None, "--threads", help="Threads of the stock tools (default VOODOO_QUANT_WORKERS).", rich_help_panel=E),
+        ctx: int = typer.Option(512, "--ctx", help="-c of llama-perplexity.", rich_help_panel=E),
+        chunks: int = typer.Option(20, "--chunks", help="llama-perplexity chunks.", rich_help_panel=E),
+        workers: Optional[int] = typer.Option(None, "--workers", help="Threads of the stock tools (default VOODOO_QUANT_WORKERS).", rich_help_panel=E),
         license: Optional[str] = typer.Option(None, "--license", help="Card license (default: the source's own).", rich_help_panel=E),
         base_model: Optional[str] = typer.Option(None, "--base_model", help="Card base_model (default: the source's own).", rich_help_panel=E),
     ) -> None:
@@ -92,13 +97,13 @@ def register(app: typer.Typer) -> None:
         cfg = QuantizeConfig(
             model=model, texts=_paths(text), sizes=tuple(_csv(sizes)), output_dir=output_dir, model_name=model_name,
             seq_len=seq_len, eval_fraction=eval_fraction, eval_texts=_paths(eval_text), glob=glob, degrid_seed=degrid_seed,
-            calib_sequences=calib_sequences, steps=steps, batch_size=batch_size,
+            calib_sequences=calib_sequences, max_steps=max_steps, target_size=target_size, batch_size=batch_size,
             candidate_types=tuple(_csv(candidate_types)) or None,
             attention_candidates=tuple(_csv(attention_candidates)) or None,
             non_attention_candidates=tuple(_csv(non_attention_candidates)) or None,
-            seed=seed, device=device, dtype=dtype, lazy=lazy, train_extra=train_extra(list(ctx.args)),
+            seed=seed, device=device, dtype=dtype, lazy=lazy, train_extra=train_extra(list(context.args)),
             share_teacher_forward=share_teacher_forward, stock=tuple(_csv(stock)) or None, eval=eval,
-            eval_ctx=eval_ctx, eval_chunks=eval_chunks, threads=threads, license=license, base_model=base_model,
+            ctx=ctx, chunks=chunks, workers=workers, license=license, base_model=base_model,
         )
         result = run(cfg)
         print_summary(console, cfg, result)

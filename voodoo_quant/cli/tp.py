@@ -14,12 +14,13 @@ import typer
 from ..errors import ConfigError
 from .argv import declared_flags, normalize
 from .common import report_errors
+from .options import add_aliases
 
 
 def parse_train_flags(args: list[str]):
     """The TrainConfig that `voodoo train <args>` would build (no model is loaded)."""
     from .app import app as root
-    from .train import _FIELDS, build_config
+    from .train import build_config
 
     group = typer.main.get_command(root)
     train_cmd = group.commands["train"]
@@ -31,18 +32,20 @@ def parse_train_flags(args: list[str]):
         if type(e).__name__ == "Exit":
             raise ConfigError("`voodoo tp` needs train flags after `--`") from None
         raise
-    return build_config(**{k: v for k, v in ctx.params.items() if k in _FIELDS})
+    return build_config(**ctx.params)
 
 
 def register(app: typer.Typer) -> None:
+    add_aliases("tp", {"nproc": "tensor_parallel"})  # the reference recipe's spelling
+
     @app.command("tp", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
     @report_errors
     def tp(
         ctx: typer.Context,
-        nproc: int = typer.Option(..., "--nproc", help="Processes (one per device) that torchrun starts."),
+        nproc: int = typer.Option(..., "--tensor_parallel", help="Tensor-parallel degree: processes (one per device) that torchrun starts."),
         print_only: bool = typer.Option(False, "--print_only", help="Print the torchrun command and environment; start nothing."),
     ) -> None:
-        """Tensor-parallel `voodoo train` through torchrun: voodoo tp --nproc N -- <train flags>."""
+        """Tensor-parallel `voodoo train` through torchrun: voodoo tp --tensor_parallel N -- <train flags>."""
         from ..tools.launch import check_inputs, plan_launch, run_launch
 
         args = list(ctx.args)

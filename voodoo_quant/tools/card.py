@@ -198,7 +198,7 @@ def command_line(c) -> str:
 
     argv = ["voodoo", "quantize", "--model", str(c.model), "--text", *c.texts, "--sizes", *map(str, c.sizes),
             "--output_dir", str(c.output_dir), "--model_name", c.model_name, "--seq_len", str(c.seq_len),
-            "--steps", str(c.steps), "--seed", str(c.seed), "--calib_sequences", str(c.calib_sequences)]
+            "--max_steps", str(c.max_steps), "--seed", str(c.seed), "--calib_sequences", str(c.calib_sequences)]
     if c.eval_fraction != 0.1:
         argv += ["--eval_fraction", str(c.eval_fraction)]
     if c.glob != "*":
@@ -211,8 +211,8 @@ def command_line(c) -> str:
         argv += ["--no_eval"]
     else:
         argv += ["--stock", *c.stock]
-        if c.eval_chunks is not None:
-            argv += ["--eval_chunks", str(c.eval_chunks)]
+        if c.chunks is not None:
+            argv += ["--chunks", str(c.chunks)]
     return shlex.join(argv)
 
 

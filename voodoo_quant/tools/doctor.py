@@ -38,11 +38,11 @@ class Check:
 @dataclass(frozen=True)
 class DoctorConfig:
     # Ranks per host that `voodoo tp` would launch; sizes the thread caps shown.
-    world_size: int = 1
+    tensor_parallel: int = 1
 
     def __post_init__(self) -> None:
-        if int(self.world_size) < 1:
-            raise ConfigError(f"--world-size must be >= 1, got {self.world_size}")
+        if int(self.tensor_parallel) < 1:
+            raise ConfigError(f"--tensor_parallel must be >= 1, got {self.tensor_parallel}")
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ def _torch_and_hardware(cfg: DoctorConfig, environ: Mapping[str, str]) -> list[C
                      "check the driver and *_VISIBLE_DEVICES" if acc_status == WARN else ""))
     attn = attention_backend(accel)
     out.append(Check("attention backend", OK, ", ".join(attn.sdpa_backends) or "torch default", attn.reason))
-    for s in env_settings(accel, local_world_size=cfg.world_size):
+    for s in env_settings(accel, local_world_size=cfg.tensor_parallel):
         current = environ.get(s.name)
         if current in (None, ""):
             out.append(Check(f"tp env {s.name}", OK, f"{s.value} (voodoo tp would set it)", s.reason))

@@ -226,7 +226,7 @@ class GGUFEvalConfig:
     tokenizer: str | None = None  # tokenizer source for eval_tokens (default: the reference GGUF)
     ctx: int = 512
     chunks: int | None = None
-    threads: int | None = None
+    workers: int | None = None  # llama-perplexity -t; default VOODOO_QUANT_WORKERS
     output_json: Path | None = None
     plot: Path | None = None
     work_dir: Path | None = None  # where the base log-probs go (default: a temp dir)
@@ -299,7 +299,7 @@ def evaluate_ggufs(cfg: GGUFEvalConfig, progress: bool = True) -> dict[str, Any]
         rows: list[EvalRow] = []
         with Progress(disable=not progress, transient=True) as bar:
             task = bar.add_task("llama-perplexity", total=len(cfg.files) + 1)
-            args = perplexity_args(cfg.ctx, cfg.chunks, cfg.threads)
+            args = perplexity_args(cfg.ctx, cfg.chunks, cfg.workers)
             ref_ppl = kld_base(cfg.reference, text, base, args)
             bar.advance(task)
             for f in cfg.files:

@@ -19,7 +19,7 @@ from .manifest import digest
 
 
 def _args(ladder) -> list[str]:
-    return perplexity_args(ladder.cfg.eval_ctx, ladder.cfg.eval_chunks, ladder.pre.threads)
+    return perplexity_args(ladder.cfg.ctx, ladder.cfg.chunks, ladder.pre.workers)
 
 
 def evaluate_ladder(ladder, files: list[tuple[Path, str, int | None]]) -> dict[str, Any]:
@@ -27,8 +27,8 @@ def evaluate_ladder(ladder, files: list[tuple[Path, str, int | None]]) -> dict[s
     c = ladder.cfg
     ev = ladder.work / "eval"
     text = ev / "eval_text.txt"
-    base_key = digest({"reference": ladder.keys["reference"], "data": ladder.keys["data"], "ctx": c.eval_ctx,
-                       "chunks": c.eval_chunks})
+    base_key = digest({"reference": ladder.keys["reference"], "data": ladder.keys["data"], "ctx": c.ctx,
+                       "chunks": c.chunks})
     base = ev / f"base-{base_key}.kld"
     info = ev / f"base-{base_key}.json"
 
@@ -56,8 +56,8 @@ def evaluate_ladder(ladder, files: list[tuple[Path, str, int | None]]) -> dict[s
     result = {
         "reference": {"file": str(ladder.reference), "ppl": ref_ppl},
         "text": str(ladder.data_dir / "eval_tokens.pt"),
-        "ctx": c.eval_ctx,
-        "chunks": c.eval_chunks,
+        "ctx": c.ctx,
+        "chunks": c.chunks,
         "rows": rows,
     }
     out = c.output_dir

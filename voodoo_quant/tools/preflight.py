@@ -30,7 +30,7 @@ class Preflight:
     source_sha: str
     text_hashes: list[list[str]]  # [path, sha256] per input file
     eval_hashes: list[list[str]]
-    threads: int
+    workers: int  # threads of the stock tools
     q8_bytes: int
     min_bytes: int
     max_bytes: int
@@ -197,7 +197,8 @@ def preflight(cfg) -> Preflight:
     texts = _hash_texts(cfg.texts, cfg.glob)
     evals = _hash_texts(cfg.eval_texts, cfg.glob) if cfg.eval_texts else []
     q8, lo, hi, n_params, cache_need = reachable(src, cfg.menus, cfg.text_model_class)
-    check_sizes(cfg.sizes, q8, lo, hi)
+    if cfg.target_size is None:  # else the trainer checks the file's size against the menus
+        check_sizes(cfg.sizes, q8, lo, hi)
     paths.convert_script()
     if cfg.eval:
         paths.tool_path("llama-quantize")
@@ -205,5 +206,5 @@ def preflight(cfg) -> Preflight:
     check_space(_free_needs(cfg, q8, n_params, cache_need))  # every candidate lands in the cache (cached ones too)
     lic, base = _source_card_fields(src)
     sha = source_sha(src, out / "work")
-    return Preflight(sha, texts, evals, cfg.threads or envs.quant_workers(), q8, lo, hi, n_params, lic, base)
+    return Preflight(sha, texts, evals, cfg.workers or envs.quant_workers(), q8, lo, hi, n_params, lic, base)
 

@@ -32,7 +32,8 @@ from typing import Any, Callable, Iterator
 from .. import fileio
 from ..errors import ConfigError
 from ..menus import MenuConfig
-from ..training.config import TrainConfig
+from ..settings import OUTPUT, key_dict
+from ..training.config import SEQ_LEN, TrainConfig
 from .manifest import Clock, Manifests, digest
 from .variant import Variant
 
@@ -43,8 +44,12 @@ EVAL_NAME = "eval.json"
 PLOT_NAME = "pareto.png"
 IMATRIX_NAME = "imatrix.gguf"
 FLOOR = "Q8_0"  # always measured: the KLD floor of every table
+# Train settings that are paths: a ladder step keys them by what they hold (teacher, data, imatrix)
+# or by where the ladder puts them (the run folder), not by their names.
+_KEYED_BY_CONTENT = ("model", "data_dir", "imatrix", "output_dir")
 # Fields QuantizeConfig sets itself; `train_extra` may not override them.
 _OWNED = {"model", "data_dir", "data_name", "output_dir", "output_name", "imatrix", "compression_ratio", "target_bits",
+          "target_size",
           "max_steps", "seq_len", "candidate_types", "attention_candidates", "non_attention_candidates", "seed",
           "device", "dtype", "lazy", "batch_size", "dry_run", "tensor_parallel", "finalize_from_partial",
           "resume_from_partial", "log_file", "text_model_class"}
@@ -58,7 +63,7 @@ class QuantizeConfig:
     output_dir: Path = Path("voodoo-out")
     model_name: str | None = None  # <Model> in file names; default from the model's file/dir name
     # data
-    seq_len: int = 512
+    seq_len: int = SEQ_LEN
     eval_fraction: float = 0.1
     eval_texts: list[str] = field(default_factory=list)
     glob: str = "*"
@@ -68,7 +73,7 @@ class QuantizeConfig:
     # imatrix
     calib_sequences: int = 64
     # training (anything else of TrainConfig goes in train_extra)
-    steps: int = 50
+    max_steps: int = 50  # fewer than train's 100: a ladder trains every size (WHITEPAPER, training steps)
     batch_size: int = 1
     candidate_types: tuple[str, ...] | None = None
     attention_candidates: tuple[str, ...] | None = None
@@ -82,9 +87,11 @@ class QuantizeConfig:
     # evaluation
     stock: tuple[str, ...] | None = None  # llama-quantize recipes; default: each size's badge + Q8_0
     eval: bool = True
-    eval_ctx: int = 512
-    eval_chunks: int | None = 20
-    threads: int | None = None
+    ctx: int = 512  # -c of llama-perplexity
+    chunks: int | None = 20
+    workers: int | None = None  # threads of the stock tools; default VOODOO_QUANT_WORKERS
+    # the whole file's size instead of a percent (training/target_size.py): one file, named by --sizes' one size
+    target_size: str | None = None
     # the card
     license: str | None = None  # default: the source's own (GGUF general.license / HF README)
     base_model: str | None = None  # default: the source's own, else its name
@@ -125,10 +132,13 @@ class QuantizeConfig:
             self.model_name = default_model_name(src)
         for s in self.sizes:
             canonical_name(self.model_name, s)  # export's naming rule: refuses a size it cannot name
-        if self.eval_ctx < 8 or self.eval_ctx % 2:
-            raise ConfigError(f"--eval_ctx must be an even number >= 8, got {self.eval_ctx}")
-        for flag, v in (("--calib_sequences", self.calib_sequences), ("--steps", self.steps),
-                        ("--eval_chunks", 1 if self.eval_chunks is None else self.eval_chunks)):
+        if self.ctx < 8 or self.ctx % 2:
+            raise ConfigError(f"--ctx must be an even number >= 8, got {self.ctx}")
+        if self.target_size is not None and len(self.sizes) != 1:
+            raise ConfigError(f"--target_size makes one file: give the size it is named by as one --sizes value "
+                              f"(got {len(self.sizes)} sizes)")
+        for flag, v in (("--calib_sequences", self.calib_sequences), ("--max_steps", self.max_steps),
+                        ("--chunks", 1 if self.chunks is None else self.chunks)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{flag} must be an integer >= 1, got {v!r}")
         if self.stock is not None:
@@ -139,7 +149,8 @@ class QuantizeConfig:
         clash = sorted(set(self.train_extra) & _OWNED)
         if clash:
             raise ConfigError(f"train flags {', '.join('--' + c for c in clash)} are set by `voodoo quantize` itself "
-                              "(use its own flags: --steps, --seq_len, --sizes, menus, --seed, --device, --dtype, --lazy)")
+                              "(use its own flags: --max_steps, --seq_len, --sizes, --target_size, menus, --seed, --device, "
+                              "--dtype, --lazy)")
         self.train_config(self.sizes[0], Path("."))  # validates every train setting now, not after the data step
         self.menus = TrainConfig(model="x", compression_ratio=0.5, **self._menu_kw()).menus
 
@@ -153,7 +164,8 @@ class QuantizeConfig:
                      run_dir: Path | None = None):
         return TrainConfig(
             model=str(teacher_hf), data_dir=str(data_dir or "data"), imatrix=str(imatrix) if imatrix else None,
-            compression_ratio=size / 100.0, seq_len=self.seq_len, batch_size=self.batch_size, max_steps=self.steps,
+            **({"target_size": self.target_size} if self.target_size is not None else {"compression_ratio": size / 100.0}),
+            seq_len=self.seq_len, batch_size=self.batch_size, max_steps=self.max_steps,
             seed=self.seed, device=self.device, dtype=self.dtype, lazy=self.lazy, text_model_class=None,
             output_dir=str(run_dir or "run"), output_name=f"{self.model_name}-Voodoo{size}.pt",
             **self._menu_kw(), **self.train_extra,
@@ -356,8 +368,8 @@ class Ladder:
         tcfg = self.cfg.train_config(size, self.teacher_hf, self.data_dir, self.imatrix, run)
         if variant is not None:
             tcfg = variant.apply(tcfg)
-        skip = ("model", "data_dir", "imatrix", "output_dir", *TrainConfig.OUTPUT_NEUTRAL)
-        settings = {k: v for k, v in tcfg.to_dict().items() if k not in skip}
+        # what changes the trained file (settings.py); the paths are keyed by their contents above
+        settings = {k: v for k, v in key_dict(tcfg, OUTPUT).items() if k not in _KEYED_BY_CONTENT}
         inputs = {"teacher": self.keys["make-teacher"], "data": self.keys["data"], "imatrix": self.keys["imatrix"],
                   "train": settings}
         # One sensitivity table per compensation and seed (its key holds both): variants that
@@ -417,7 +429,7 @@ class Ladder:
         from .llama_tools import run_tool
 
         f = self.stock_file(recipe, pure)
-        threads = str(self.pre.threads)
+        threads = str(self.pre.workers)
         inputs = {"reference": self.keys["reference"], "imatrix": self.keys["imatrix"], "recipe": recipe}
         flags = ["--pure"] if pure else []
         self.step(f"{'pure' if pure else 'stock'}-{recipe}", {**inputs, **({"pure": True} if pure else {})}, lambda: [f],

@@ -12,6 +12,13 @@ from typing import Any
 from .. import qtypes as qt
 from ..errors import ConfigError
 from ..menus import DEFAULT_CANDIDATES, MenuConfig, default_fill, parse_upgrades
+from ..settings import ADVANCED, EXPERIMENTAL, NOTHING, OUTPUT, TRAINING, key_dict, setting, unchanged_by
+from ..sizes import parse_size
+
+# Tokens per training sequence, shared by every command that trains (train, quantize, the API):
+# one default per idea. `voodoo data` keeps its own (2048): it tokenizes a corpus once for any
+# run, and a run reads a shorter --seq_len from the longer sequences (training/setup.py load_tokens).
+SEQ_LEN = 512
 
 DTYPES = ("float32", "bfloat16", "float16")
 METHODS = ("gates", "sensitivity")
@@ -34,92 +41,100 @@ def _types(v: Any) -> tuple[str, ...] | None:
     return tuple(qt.get(t).name for t in out) if out else None
 
 
+LAB_MODES = "docs/lab/2026-11-30-first-benchmark-and-training-modes.md"
+LAB_FISHER = "docs/lab/2026-12-01-fisher-sensitivity-guarantee-search.md"
+LAB_SEARCH = "docs/lab/2026-12-03-search-transfer-and-confirmation.md"
+
+# Panels of `voodoo train --help`: the main ones, then settings.ADVANCED and settings.EXPERIMENTAL.
+MODEL, SIZE, MENUS, TRAIN, HARDWARE = "Model and data", "Size", "Menus", "Training", "Hardware"
+
+
 @dataclass
 class TrainConfig:
+    """Every ``voodoo train`` setting, declared once (``settings.py``): the CLI's options, the
+    journal's ``result_hash`` and the ladder's cache key are read from these fields."""
+
     # model and teacher
-    model: str = ""
-    base_checkpoint: str | None = None
-    text_model_class: str | None = None
-    teacher_quant: str | None = None  # None (float teacher) or "Q8_0"
-    teacher_checkpoint: str | None = None
+    model: str = setting("", help="HF checkpoint dir (config, tokenizer, safetensors).", panel=MODEL, required=True)
+    base_checkpoint: str | None = setting(None, help="Base .pt state dict (from make-teacher) replacing the checkpoint's weights.", panel=ADVANCED)
+    text_model_class: str | None = setting(None, help="Text-only class/model_type of a multimodal wrapper, e.g. qwen3_5_text.", panel=ADVANCED)
+    teacher_quant: str | None = setting(None, help="Teacher weights: omit for the float model, Q8_0 for its llama.cpp-exact Q8_0.", panel=ADVANCED)
+    teacher_checkpoint: str | None = setting(None, help="Teacher .pt state dict (from make-teacher).", panel=ADVANCED)
     # budget
-    compression_ratio: float | None = None
-    target_bits: float | None = None
-    budget_reduction: float = 0.0
-    size_weight: float = 100.0
-    size_tolerance: float = 0.02
-    tensor_upgrades: str | None = None
+    compression_ratio: float | None = setting(None, help="Target size as a fraction of the selectable tensors at uniform Q8_0 (Voodoo45 = 0.45).", panel=SIZE)
+    target_bits: float | None = setting(None, help="Target bits per selectable weight.", panel=SIZE)
+    target_size: str | None = setting(None, help="Target size of the whole GGUF file (metadata and every tensor counted, as llama-quantize --target-size): 1.2GB, 800MiB or bytes.", panel=SIZE, metavar="SIZE", omit_at_default=True)
+    budget_reduction: float = setting(0.0, help="Train toward target × (1 − this) so post-hoc --tensor_upgrades land on target.", panel=ADVANCED)
+    size_weight: float = setting(100.0, help="Weight of the quadratic size penalty outside the dead zone.", panel=ADVANCED)
+    size_tolerance: float = setting(0.02, help="Dead zone: no size penalty within ±this fraction of the target.", panel=ADVANCED)
+    tensor_upgrades: str | None = setting(None, help='JSON list of {"pattern": regex, "levels": ±n}: move matching tensors n rungs after the argmax.', panel=ADVANCED)
     # menus
-    candidate_types: tuple[str, ...] = DEFAULT_CANDIDATES
-    attention_candidates: tuple[str, ...] | None = None
-    non_attention_candidates: tuple[str, ...] | None = None
+    candidate_types: tuple[str, ...] = setting(DEFAULT_CANDIDATES, help=f"Default menu (space or comma separated); default: {' '.join(DEFAULT_CANDIDATES)}.", panel=MENUS)
+    attention_candidates: tuple[str, ...] | None = setting(None, help="Menu of the attention family (the adapter's attention_segments).", panel=MENUS)
+    non_attention_candidates: tuple[str, ...] | None = setting(None, help="Menu of every other tensor.", panel=MENUS)
     # a menu that falls back on a tensor's row length also takes the row's other types in its size
     # range (menus.py); None: yes for the default menu, no for one the user names
-    fill_menus: bool | None = None
-    imatrix: str | None = None
+    fill_menus: bool | None = setting(None, help="Where a menu's types fall back on a tensor's row length (rows not a multiple of 256), also offer every other type that row takes within the menu's size range. Default: on for the default menu, off for a menu you name.", panel=ADVANCED)
+    imatrix: str | None = setting(None, help="llama.cpp imatrix (GGUF or legacy .dat); required for IQ2_XXS/IQ2_XS/IQ1_S and others.", panel=MODEL)
     # optimization
-    seq_len: int = 512
-    batch_size: int = 1
-    max_steps: int = 100
-    lr: float = 0.5
-    distill_weight: float = 1.0  # λ of the KL(teacher‖student) term
-    tau_start: float = 1.0
-    tau_end: float = 0.05
-    seed: int = 0
+    seq_len: int = setting(SEQ_LEN, help="Tokens per sequence.", panel=TRAIN)
+    batch_size: int = setting(1, help="Sequences per step.", panel=TRAIN)
+    max_steps: int = setting(100, help="Gate training steps.", panel=TRAIN, aliases=("steps",))
+    lr: float = setting(0.5, help="Adam learning rate of the gate logits.", panel=TRAIN)
+    distill_weight: float = setting(1.0, help="λ: weight of KL(teacher ‖ student).", panel=ADVANCED)
+    tau_start: float = setting(1.0, help="Softmax temperature at the first step.", panel=ADVANCED)
+    tau_end: float = setting(0.05, help="Temperature at the last step (geometric annealing).", panel=ADVANCED)
+    seed: int = setting(0, help="Seed of the batch order.", panel=TRAIN)
     # data and outputs
-    data_dir: str = "data"
-    data_name: str = "train_tokens.pt"
-    output_dir: str = "runs/voodoo"
-    output_name: str = "voodoo.pt"
-    # hardware
-    device: str = "cpu"
-    dtype: str = "float32"
-    lazy: bool = False
-    gradient_checkpointing: bool = False
-    no_compile: bool = False
-    tensor_parallel: int = 1
-    device_map: str | None = None
+    data_dir: str = setting("data", help="Directory of the tokens file.", panel=MODEL)
+    data_name: str = setting("train_tokens.pt", help="Tokens file written by `voodoo data`.", panel=MODEL)
+    output_dir: str = setting("runs/voodoo", help="Where the journal and the outputs go.", panel=MODEL, changes=OUTPUT)
+    output_name: str = setting("voodoo.pt", help="Name of the result .pt (assignment, gates, config, metrics).", panel=ADVANCED, changes=OUTPUT)
+    # hardware (a device changes the float summation order, hence a ladder's step; not the journal)
+    device: str = setting("cpu", help="cpu, cuda or cuda:N (ROCm GPUs are cuda:N too).", panel=HARDWARE, changes=OUTPUT)
+    dtype: str = setting("float32", help="Training dtype: float32, bfloat16 or float16.", panel=HARDWARE)
+    lazy: bool = setting(False, help="Keep candidates packed; dequantize on the fly (less memory).", panel=HARDWARE, changes=OUTPUT)
+    gradient_checkpointing: bool = setting(False, help="Recompute activations in backward.", panel=HARDWARE, changes=OUTPUT)
+    no_compile: bool = setting(False, help="Accepted for old command lines; does nothing.", hidden=True, changes=NOTHING)
+    tensor_parallel: int = setting(1, help="Tensor-parallel degree (run through `voodoo tp`).", panel=HARDWARE)
+    device_map: str | None = setting(None, help="Layer-wise placement, e.g. cuda:0,cuda:1.", panel=ADVANCED, changes=OUTPUT)
     # journal
-    partial_save_interval: int = 10
-    resume: bool = True
-    dry_run: bool = False
-    # beyond the soft mixture: see training/{routing,sensitivity,knapsack,losses}.py
-    method: str = "gates"  # "gates" (train) or "sensitivity" (greedy knapsack only, no training)
-    ptqr: bool = False  # per-token routing: each token through one sampled candidate
-    st_gumbel_fraction: float = 0.0  # last fraction of steps with straight-through Gumbel hardening
-    st_gumbel_tau: float = 0.5
-    # Defaults from the method comparison at Voodoo65 on SmolLM2 (docs/lab/, 2026-11-30):
-    # warm start + polish gave the lowest KLD of the five variants measured.
-    warm_start: bool = True  # gates start concentrated on the sensitivity knapsack's layout
-    warm_start_mass: float = 0.9  # probability of the layout's rung at step 0
-    sensitivity_sequences: int = 4  # calibration sequences for the sensitivity table
-    sensitivity_kind: str = "fisher"  # "fisher" (ΔKL from the Fisher diagonal), "output" (own output error), "measured" (ΔKL measured per rung)
-    relaxation_gap: bool = False  # add the expected one-hot KL's variance term to the loss (relaxation.py)
-    polish: bool = True  # knapsack polish of the baked assignment inside the dead zone
-    loss_chunk_size: int = 1024  # tokens per LM-head chunk of the losses (0: whole logits); 1024 fits the 27B TP-4 recipe
-    grad_accum_steps: int = 1
-    teacher_device: str | None = None  # default: --device
-    log_file: str | None = None  # JSONL run log (default: <output_dir>/train_log.jsonl)
-    finalize_from_partial: str | None = None  # redo only the bake from this journal
-    resume_from_partial: str | None = None  # resume from this journal (default: <output_dir>/partial.pt)
-    # after the bake: training/{guarantee,search,objective}.py
-    search_sequences: int = 8  # training sequences held aside (the last N) to measure KL on
-    # measured-KL evaluations of the final search; 0 (the default): none. Its kept moves fit the
-    # held-aside sequences they were chosen on and raised the KL on other text (WHITEPAPER §4)
-    search_evals: int = 0
-    search_margin: float = 0.0  # keep a move only when its paired KL drop exceeds this many standard errors
-    search_confirm: int = 0  # more sequences held aside: the search's result is written only if it beats its start there
-    guarantee: bool = True  # measure uniform / stock / knapsack references and start from the best
+    partial_save_interval: int = setting(10, help="Write the journal every N steps.", panel=ADVANCED, changes=NOTHING)
+    resume: bool = setting(True, help="Resume from the journal in --output_dir if present.", panel=ADVANCED, changes=NOTHING)
+    dry_run: bool = setting(False, help="Print every tensor's menu, bytes and the size range; train nothing.", panel=TRAIN, changes=NOTHING)
+    # what writes the assignment: training/methods.py's registry
+    method: str = setting("gates", help="gates: train the gates; sensitivity: the sensitivity knapsack's layout, baked (no training).", panel=ADVANCED)
+    ptqr: bool = setting(False, help="Per-token routing: each token through one candidate sampled from the gates; straight-through gate gradient.", panel=EXPERIMENTAL, lab=LAB_MODES)
+    st_gumbel_fraction: float = setting(0.0, help="Last fraction of steps with straight-through Gumbel hardening (one candidate per tensor; exclusive with --ptqr).", panel=EXPERIMENTAL, lab=LAB_MODES)
+    st_gumbel_tau: float = setting(0.5, help="Temperature of the straight-through Gumbel softmax.", panel=EXPERIMENTAL, lab=LAB_MODES)
+    warm_start: bool = setting(True, help="Start the gates on the sensitivity knapsack's layout; off: from a prior in bits around the target.", panel=ADVANCED)
+    warm_start_mass: float = setting(0.9, help="Probability of the layout's rung at step 0 under --warm_start.", panel=ADVANCED)
+    sensitivity_sequences: int = setting(4, help="Calibration sequences of the sensitivity table (first N of the tokens file).", panel=ADVANCED)
+    sensitivity_kind: str = setting("fisher", help="Sensitivity table of the knapsack, warm start and polish: fisher (ΔKL predicted from the Fisher diagonal), measured (every rung's ΔKL measured with that one tensor quantized; one process only) or output (each tensor's own imatrix-weighted output error).", panel=EXPERIMENTAL, lab=LAB_FISHER)
+    relaxation_gap: bool = setting(False, help="Add to the loss the KL the soft mixture hides from a one-hot file (from the Fisher curvature), so the gates descend the expected KL of the file they bake.", panel=EXPERIMENTAL, negatable=True, lab=LAB_FISHER)
+    polish: bool = setting(True, help="After the bake: one-rung moves ranked by sensitivity benefit per byte, inside the dead zone.", panel=ADVANCED, changes=OUTPUT)
+    loss_chunk_size: int = setting(1024, help="Tokens per LM-head chunk of CE/KL (exact; 0: whole logits).", panel=ADVANCED, changes=NOTHING)
+    grad_accum_steps: int = setting(1, help="Micro-batches of --batch_size per optimizer step.", panel=ADVANCED)
+    teacher_device: str | None = setting(None, help="Device of the teacher (default: --device), e.g. cpu.", panel=ADVANCED, changes=OUTPUT)
+    log_file: str | None = setting(None, help="JSONL run log, one line per step (default: <output_dir>/train_log.jsonl).", panel=ADVANCED, changes=NOTHING)
+    finalize_from_partial: str | None = setting(None, help="Redo only the bake from this journal (partial.pt); no training.", panel=ADVANCED, changes=OUTPUT)
+    resume_from_partial: str | None = setting(None, help="Resume training from this journal instead of <output_dir>/partial.pt.", panel=ADVANCED, changes=OUTPUT)
+    # after the bake: training/{guarantee,objective}.py, experimental/search.py
+    search_sequences: int = setting(8, help="Training sequences held aside (the last N, at most a quarter of the file) on which the guarantee measures KL(teacher ‖ baked student); 0: none (no guarantee).", panel=ADVANCED)
+    search_evals: int = setting(0, help="Measured-KL evaluations of a local search from the guarantee's choice (one-rung moves and up/down pairs ranked by the gates' gradient, kept when the measured KL drops); 0: no search.", panel=EXPERIMENTAL, changes=OUTPUT, lab=LAB_SEARCH)
+    search_margin: float = setting(0.0, help="Keep a search move only when its KL drop, paired over the held-aside sequences, exceeds this many standard errors (0: any drop).", panel=EXPERIMENTAL, changes=OUTPUT, lab=LAB_SEARCH)
+    search_confirm: int = setting(0, help="More training sequences held aside (before the search's); the search's result is written only when its KL there is below its start's (0: no check).", panel=EXPERIMENTAL, lab=LAB_SEARCH)
+    guarantee: bool = setting(True, help="Measure the best uniform types, the stock llama-quantize recipes and both knapsacks that fit the budget beside the gates' bake, and write the best.", panel=ADVANCED, changes=OUTPUT)
     # error compensation (compensate.py): "gptq" hands the quantizer each tensor with every block's
     # rounding error passed on to the later columns, from layer-input Hessians (training/hessians.py;
     # under --lazy one decoder layer at a time; under tensor parallelism by rank 0); "auto" is gptq
-    error_compensation: str = "auto"
-    compensation_sequences: int = 32  # calibration sequences of the Hessians (first N of the training tokens)
-    compensation_damp: float = 0.1  # λ: H + λ·mean(diag H)·I
+    error_compensation: str = setting("auto", help="gptq: each tensor is quantized by the same quantizer with every block's rounding error passed on to its later columns, from the layer inputs' Hessians on calibration text (stock llama-quantize writes the same types, not these bytes); none: the weights as they are (the bytes stock llama-quantize writes); auto: gptq.", panel=ADVANCED)
+    compensation_sequences: int = setting(32, help="Calibration sequences of the Hessians under --error_compensation gptq (first N of the training tokens).", panel=ADVANCED)
+    compensation_damp: float = setting(0.1, help="Damping of the Hessians: H + λ·mean(diag H)·I.", panel=ADVANCED)
     # the walk's rounding oracle (compensate.py): "fixed" quantizes a superblock once and rounds its
     # later 32-column steps with those scales; "requant" asks the quantizer again at every step
-    compensation_sweep: str = "fixed"
-    stock_references: tuple[str, ...] = STOCK_REFERENCES  # llama-quantize ftypes measured by the guarantee
+    compensation_sweep: str = setting("fixed", help="How the compensation walk rounds a 256-weight superblock's 32-column steps: fixed (quantized once when the walk reaches it, later steps rounded with its scales; about 2× a plain candidate) or requant (quantized again at every step; 8–12× a plain candidate). The bytes are the quantizer's either way.", panel=ADVANCED)
+    stock_references: tuple[str, ...] = setting(STOCK_REFERENCES, help="llama-quantize ftypes the guarantee considers (default: all; the largest three that fit are measured).", panel=ADVANCED, changes=OUTPUT)
 
     @property
     def compensation(self) -> str:
@@ -135,11 +150,17 @@ class TrainConfig:
         self.candidate_types = _types(self.candidate_types) or DEFAULT_CANDIDATES
         self.attention_candidates = _types(self.attention_candidates)
         self.non_attention_candidates = _types(self.non_attention_candidates)
-        self.stock_references = tuple(self.stock_references or ())
+        refs = self.stock_references
+        refs = [refs] if isinstance(refs, str) else list(refs or ())
+        self.stock_references = tuple(p for r in refs for p in str(r).replace(",", " ").split() if p)
         if not self.model:
             raise ConfigError("--model is required (an HF checkpoint directory)")
-        if (self.compression_ratio is None) == (self.target_bits is None):
-            raise ConfigError("give exactly one of --compression_ratio and --target_bits")
+        given = [f for f in ("compression_ratio", "target_bits", "target_size") if getattr(self, f) is not None]
+        if len(given) != 1:
+            raise ConfigError("give exactly one of --compression_ratio, --target_bits and --target_size"
+                              + (f" (got {', '.join('--' + g for g in given)})" if given else ""))
+        if self.target_size is not None:
+            parse_size(self.target_size, "--target_size")  # refused now, not after loading the model
         if self.teacher_quant is not None:
             tq = qt.get(self.teacher_quant).name
             if tq != "Q8_0":
@@ -271,25 +292,19 @@ class TrainConfig:
             raise ConfigError(f"unknown train config keys: {', '.join(sorted(unknown))}")
         return cls(**d)
 
-    # Fields that do not change the result: a run may resume with different values (``lazy``
-    # among them: its candidates, compensated or not, are the eager run's). result_hash counts the
-    # compensation ``auto`` resolves to.
-    _RESULT_NEUTRAL = ("output_dir", "output_name", "partial_save_interval", "resume", "dry_run",
-                       "no_compile", "gradient_checkpointing", "device", "device_map", "lazy",
-                       # exact reformulations and bake-only settings: a journal stays valid across them
-                       "loss_chunk_size", "teacher_device", "log_file", "finalize_from_partial",
-                       "resume_from_partial", "polish", "search_evals", "search_margin", "guarantee",
-                       "stock_references")
-
-    # Fields that do not change what a finished run writes (up to float summation order): a ladder's
-    # step cache (`voodoo quantize`) reuses a size's training across them.
-    OUTPUT_NEUTRAL = ("partial_save_interval", "resume", "dry_run", "no_compile", "loss_chunk_size", "log_file")
+    @classmethod
+    def unchanged_by(cls, what: str) -> tuple[str, ...]:
+        """The settings that do not change the training (``TRAINING``: a run may resume with other
+        values; ``lazy`` among them, whose candidates, compensated or not, are the eager run's)
+        or what a finished run writes (``OUTPUT``, up to float summation order: a ladder's step
+        cache reuses a size's training across them). Read from the fields (``settings.py``)."""
+        return unchanged_by(cls, what)
 
     def result_hash(self) -> str:
         """Hash of the settings that determine the result (journal compatibility). The error
         compensation counts as resolved (``auto`` is gptq), so a journal trained on plain
         candidates (an older tensor-parallel run's auto) is not resumed on compensated ones."""
-        d = {k: v for k, v in self.to_dict().items() if k not in self._RESULT_NEUTRAL}
+        d = key_dict(self, TRAINING)
         d["error_compensation"] = self.compensation
         if self.compensation == "none":  # their values reach nothing without compensation
             del d["compensation_sequences"], d["compensation_damp"], d["compensation_sweep"]

@@ -14,7 +14,7 @@ from ..menus import is_pinned
 from .guarantee import Candidate, pin, rung_bytes
 from .objective import HeldAside, TPHeldAside
 from .rungs import Rungs, menu_rungs, release, serve, types_of
-from .search import JOURNAL_NAME, SearchEvent, confirm, local_search, search_key
+from ..experimental.search import JOURNAL_NAME, SearchEvent, confirm, local_search, search_key
 
 log = logging.getLogger(__name__)
 

@@ -63,7 +63,7 @@ def chunk_reason(model: nn.Module) -> str | None:
 
 
 def _is_routed_linear(mod: nn.Module) -> bool:
-    from .routing import RoutedModule
+    from ..experimental.routing import RoutedModule
 
     return isinstance(mod, RoutedModule) and isinstance(mod.inner, nn.Linear)
 

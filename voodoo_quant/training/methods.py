@@ -80,6 +80,21 @@ def finalize_from_partial(trainer, path: str):
     return trainer.finish(history, resumed_from=st.step, probs=probs, gates=gates)
 
 
+# What writes the assignment, by --method and the journal flags: a run that trains nothing here.
+# ``None`` (the default, ``--method gates``) is the gate training of Trainer.train.
+RUNNERS = {"sensitivity": sensitivity_method}
+
+
+def runner_for(cfg):
+    """The function ``(trainer) -> TrainResult`` that does `cfg`'s run instead of training the
+    gates, or None to train them: ``--method sensitivity``, ``--finalize_from_partial``."""
+    if cfg.method in RUNNERS:
+        return RUNNERS[cfg.method]
+    if cfg.finalize_from_partial:
+        return lambda trainer: finalize_from_partial(trainer, cfg.finalize_from_partial)
+    return None
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     """Peak allocated device memory (CUDA/ROCm), else the process's peak RSS."""
     if device.type == "cuda":

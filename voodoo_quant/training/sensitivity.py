@@ -286,7 +286,7 @@ def ensure_table(cfg, base: nn.Module, plans: Sequence, vectors, tokens: torch.T
     if kind == "fisher":
         table = {n: [c["m"][k][k] for k in range(len(c["types"]))] for n, c in curv.items()}
     elif kind == "measured":
-        from .measured import measured_table
+        from ..experimental.measured import measured_table
 
         table = measured_table(base, plans, sources, calib, device=device, progress=progress)
     else:

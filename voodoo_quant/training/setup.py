@@ -138,13 +138,22 @@ def plan_run(cfg: TrainConfig, model: nn.Module, imx=None) -> tuple[ArchAdapter,
     layout_for = _layout_provider(cfg, adapter)
     names = set(imx.entries) if imx is not None else None
     plans = plan_model(model, adapter, cfg.menus, imatrix_names=names, layout_for=layout_for)
+    fixed = fixed_tensors(plans, layout_for)  # quantizable, not selectable: counted at the base type
+    size = {}
+    if cfg.target_size is not None:  # the whole file: what the rest of it takes comes off first
+        from ..sizes import parse_size
+        from .target_size import other_bytes
+
+        size = {"file_bytes": parse_size(cfg.target_size, "--target_size"),
+                "other_bytes": other_bytes(cfg.model, plans, fixed)}
     budget = make_budget(
         plans,
         compression_ratio=cfg.compression_ratio,
         target_bits=cfg.target_bits,
         budget_reduction=cfg.budget_reduction,
         tolerance=cfg.size_tolerance,
-        fixed=fixed_tensors(plans, layout_for),  # quantizable, not selectable: counted at the base type
+        fixed=fixed,
+        **size,
     )
     return adapter, plans, budget
 

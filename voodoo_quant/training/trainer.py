@@ -23,7 +23,8 @@ from .. import faults, fileio, layers, provenance
 from ..assignment import Assignment, TensorChoice
 from ..budget import size_penalty
 from ..errors import ConfigError
-from . import journal, methods, routing
+from ..experimental import routing
+from . import journal, methods
 from .references import complete_curvature, plan_references_for
 from .journal import StepMetrics, append_log as _append_log, read_log as _read_log
 from .bake import BakeResult, bake, polish_baked
@@ -164,7 +165,7 @@ class Trainer:
                 mixed.update(build_student(cfg, base, plans, budget, vectors, device, dtype, progress=self.progress,
                                            init_logits=init, tp=tp, tp_plan=tp_plan, hashes=self.run.candidate_sha256))
             if cfg.relaxation_gap and self.run.curvature:
-                from .relaxation import RelaxationGap
+                from ..experimental.relaxation import RelaxationGap
 
                 self.run.gap = RelaxationGap(mixed, self.run.curvature)
             if tp is not None:
@@ -202,12 +203,14 @@ class Trainer:
 
     # -- training loop -----------------------------------------------------------------------
     def train(self) -> TrainResult:
-        if self.cfg.method == "sensitivity":
+        runner = methods.runner_for(self.cfg)  # a run that trains nothing here (methods.py)
+        if runner is not None:
             _check_writable(self.cfg.out_dir)
-            return methods.sensitivity_method(self)
-        if self.cfg.finalize_from_partial:
-            _check_writable(self.cfg.out_dir)
-            return methods.finalize_from_partial(self, self.cfg.finalize_from_partial)
+            return runner(self)
+        from .. import experimental
+
+        for exp in experimental.active(self.cfg):
+            log.warning("experimental: %s (%s; measured no better than the default: %s)", exp.name, exp.what, exp.lab)
         run = self.run or self.prepare()
         cfg = run.cfg
         out_dir = cfg.out_dir
@@ -371,6 +374,10 @@ class Trainer:
             },
         )
         asg.meta["pinned"] = len(res.pinned)
+        if cfg.target_size is not None:  # the whole file's bytes asked for (training/target_size.py)
+            from ..sizes import parse_size
+
+            asg.meta["target_size"] = parse_size(cfg.target_size)
         if outcome is not None:
             asg.meta["guarantee"] = outcome.report()
         out = cfg.out_dir

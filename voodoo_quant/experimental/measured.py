@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import ConfigError
-from .objective import HeldAside, layer_of
+from ..training.objective import HeldAside, layer_of
 
 
 def _params(modules: Mapping[str, nn.Module], plan) -> list[torch.Tensor]:

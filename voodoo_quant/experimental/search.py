@@ -44,8 +44,8 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from .. import fileio
-from .objective import HeldAside, Measurement, layer_of
-from .rungs import Rungs, serve, total_bytes, types_of
+from ..training.objective import HeldAside, Measurement, layer_of
+from ..training.rungs import Rungs, serve, total_bytes, types_of
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,77 @@
+"""--target_size: the whole exported file is at most the size asked for, and close to it."""
+
+import pytest
+
+from voodoo_quant.errors import ConfigError
+from voodoo_quant.sizes import parse_size
+
+MENU = ("Q8_0", "Q5_K", "Q4_K", "Q2_K")
+
+
+def test_sizes_parse_as_users_write_them():
+    assert parse_size("1.2GB") == 1_200_000_000
+    assert parse_size("800MiB") == 800 * 1024 ** 2
+    assert parse_size("800 mib") == 800 * 1024 ** 2
+    assert parse_size("123456") == 123456
+    assert parse_size(4096) == 4096
+    assert parse_size("1.5G") == 1_500_000_000
+    assert parse_size("10KB") == 10_000
+    for bad in ("", "GB", "1.2 parsecs", "-5MB", "0"):
+        with pytest.raises(ConfigError, match="--target_size"):
+            parse_size(bad, "--target_size")
+
+
+def test_exactly_one_size_target():
+    from voodoo_quant.training.config import TrainConfig
+
+    with pytest.raises(ConfigError, match="exactly one"):
+        TrainConfig(model="m", compression_ratio=0.5, target_size="1GB")
+    with pytest.raises(ConfigError, match="not a size"):
+        TrainConfig(model="m", target_size="big")
+    assert TrainConfig(model="m", target_size="800MiB").target_size == "800MiB"
+
+
+@pytest.fixture(scope="module")
+def exported(imatrix_llama256_hf_dir, synthetic_run_inputs, tmp_path_factory):
+    from voodoo_quant.student import fixed_tensors
+    from voodoo_quant.tools.export import ExportConfig, export
+    from voodoo_quant.training.config import TrainConfig
+    from voodoo_quant.training.target_size import other_bytes
+    from voodoo_quant.training.trainer import Trainer
+
+    d = imatrix_llama256_hf_dir
+    root = tmp_path_factory.mktemp("target_size")
+    synthetic_run_inputs(d, root)
+    common = dict(model=str(d), data_dir=str(root / "data"), imatrix=str(root / "imatrix.gguf"), seq_len=32,
+                  batch_size=2, max_steps=2, candidate_types=MENU, error_compensation="none",
+                  warm_start=False, polish=False, guarantee=False)  # the size is the point here
+    # a target inside what the menu reaches: the rest of the file plus 60 % of the weights at Q8_0
+    probe = Trainer(TrainConfig(compression_ratio=0.6, output_dir=str(root / "probe"), **common))
+    run = probe.prepare(build=False)
+    rest = other_bytes(d, run.plans, fixed_tensors(run.plans, None))
+    target = rest + run.budget.fixed_bytes + int(0.6 * run.budget.q8_bytes)
+    cfg = TrainConfig(target_size=str(target), output_dir=str(root / "run"), **common)
+    res = Trainer(cfg).train()
+    out = export(ExportConfig(model=d, assignment=res.assignment_json, output_dir=root / "out",
+                              imatrix=root / "imatrix.gguf", size_percent=60))
+    return target, rest, res, out
+
+
+def test_the_file_is_at_most_the_target_and_close_to_it(exported):
+    target, rest, res, out = exported
+    size = out.path.stat().st_size
+    print(f"target {target:,} bytes, file {size:,} bytes ({size / target:.4f} of the target)")
+    assert size <= target
+    # the selectable tensors land within the dead zone below the upper bound (2 % tolerance)
+    assert size >= 0.95 * target, (size, target)
+    assert res.assignment.meta["target_size"] == target
+
+
+def test_the_rest_of_the_file_is_counted_from_above_and_tightly(exported):
+    # what the file holds beside the selectable and fixed tensors, as written, against the estimate
+    target, rest, res, out = exported
+    selected = sum(t.nbytes for t in res.assignment.tensors.values())
+    actual_rest = out.path.stat().st_size - selected - out.fixed_bytes
+    print(f"rest of the file: estimated {rest:,} bytes, written {actual_rest:,}")
+    assert actual_rest <= rest
+    assert rest - actual_rest < 4096, (rest, actual_rest)  # export's keys' margin and the padding bound
