@@ -38,7 +38,7 @@ from memory_model import _CHILD, predict  # noqa: E402
 _COLLECT = """
 import sys
 from voodoo_quant.cli.tp import parse_train_flags
-from voodoo_quant.provenance import model_weights_sha256
+from voodoo_quant.training.provenance import model_weights_sha256
 from voodoo_quant.training.hessians import ensure
 from voodoo_quant.training.models import TORCH_DTYPES, load_models
 from voodoo_quant.training.setup import load_tokens, plan_run

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from voodoo_quant import qtypes as qt
-from voodoo_quant.errors import QuantizationInputError, UnknownQuantTypeError
+from voodoo_quant.core import qtypes as qt
+from voodoo_quant.core.errors import QuantizationInputError, UnknownQuantTypeError
 from voodoo_quant.quants import PackedTensor, dequantize, supported_types
 from voodoo_quant.quants import _registry, grids
 from voodoo_quant.quants.random_blocks import MODES, random_blocks

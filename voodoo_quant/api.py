@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from .errors import ConfigError
-from .menus import DEFAULT_CANDIDATES
+from .core.errors import ConfigError
+from .selection.menus import DEFAULT_CANDIDATES
 from .tools.quantize import QuantizeConfig, QuantizeResult, quantize  # noqa: F401  (the ladder: `voodoo quantize`)
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ class VoodooQuantizer:
     def _tokens(self, out: Path) -> Path:
         import torch
 
-        from . import fileio
+        from .core import fileio
 
         eos = self.tokenizer.eos_token_id
         ids: list[int] = []
@@ -95,8 +95,8 @@ class VoodooQuantizer:
         saved again)."""
         import shutil
 
-        from . import fileio
-        from .modeling import hf_dir_missing
+        from .core import fileio
+        from .model.modeling import hf_dir_missing
 
         hf = self.workdir / "model"
         if hf.exists():

@@ -39,7 +39,7 @@ class Lfm2Adapter(ArchAdapter):
         ``[B | C | x]`` in_proj split group by group, so each rank holds matching B, C and x rows,
         the depthwise conv by the same channels, out_proj by those columns. The feed-forward
         w1/w3 column-, w2 row-parallel."""
-        from ..parallel import LayerShard, Shard
+        from ..distributed.parallel import LayerShard, Shard
 
         params = mlp_shards(layer.feed_forward, "feed_forward.", gate="w1", up="w3", down="w2")
         if getattr(layer, "is_attention_layer", hasattr(layer, "self_attn")):

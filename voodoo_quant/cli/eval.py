@@ -9,7 +9,7 @@ from typing import List, Optional
 import typer
 from rich.table import Table
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 from .common import console, report_errors
 
 

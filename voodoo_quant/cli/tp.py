@@ -11,7 +11,7 @@ import shlex
 
 import typer
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 from .argv import declared_flags, normalize
 from .common import report_errors
 
@@ -48,7 +48,7 @@ def register(app: typer.Typer) -> None:
         args = list(ctx.args)
         cfg = parse_train_flags(args)
         if cfg.dry_run:  # the plan of every rank, from the config alone: nothing is launched
-            from ..memory import dry_run
+            from ..memory.plan import dry_run
             from ..training.report import print_dry_run
             from .common import console
 

@@ -97,14 +97,14 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Train the gates under the size budget, bake, and write the assignment."""
         from ..training.report import print_dry_run, print_result, progress_reporter
-        from ..parallel import launched_rank, leave, shutdown
+        from ..distributed.parallel import launched_rank, leave, shutdown
         from ..training.setup import tiny
         from ..training.trainer import Trainer
 
         cfg = build_config(**{k: v for k, v in locals().items() if k in _FIELDS})
         try:
             if dry_run:  # from the config alone: no weights, no tokens file, no process group
-                from ..memory import dry_run as plan_dry_run
+                from ..memory.plan import dry_run as plan_dry_run
 
                 if launched_rank() == 0:
                     print_dry_run(console, plan_dry_run(tiny(cfg)))

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 
 
 @dataclass
@@ -39,9 +39,10 @@ _NOT_RECORDED = ("output.weight", "token_embd.weight")
 def compute(cfg: ImatrixConfig):
     import torch
 
-    from .. import fileio, imatrix
-    from ..layout import find_layout, model_layouts
-    from ..modeling import load_model
+    from ..core import fileio
+    from ..gguf import imatrix
+    from ..gguf.layout import find_layout, model_layouts
+    from ..model.modeling import load_model
     from ..training.models import load_into
 
     model = load_model(cfg.model, text_model_class=cfg.text_model_class, dtype=torch.float32)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import fileio
+from ..core import fileio
 
 TAGS = ("gguf", "quantized", "llama.cpp", "imatrix", "voodoo_quant")
 
@@ -70,7 +70,7 @@ def tool_version() -> str:
 
 
 def render(ladder, files: dict[int, Path], result: dict[str, Any] | None) -> str:
-    from .. import ggml
+    from ..core import ggml
 
     c, pre = ladder.cfg, ladder.pre
     name = c.model_name

@@ -14,9 +14,9 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Mapping
 
-from .. import envs, paths
-from .. import qtypes as qt
-from ..errors import ConfigError, VoodooError
+from ..core import envs, paths
+from ..core import qtypes as qt
+from ..core.errors import ConfigError, VoodooError
 
 OK, WARN, MISSING = "ok", "warn", "missing"
 
@@ -92,7 +92,7 @@ def _torch_and_hardware(cfg: DoctorConfig, environ: Mapping[str, str]) -> list[C
 
 
 def _libggml() -> list[Check]:
-    from .. import ggml
+    from ..core import ggml
 
     fix = "run `make bootstrap`, or set VOODOO_GGML_LIB to an existing libggml-base"
     try:
@@ -159,7 +159,8 @@ def _variables(environ: Mapping[str, str]) -> list[Check]:
 
 
 def _mix_kernel() -> list[Check]:
-    from .. import envs, mixkernel
+    from ..core import envs
+    from ..candidates import mixkernel
 
     try:
         lib = mixkernel.load()

@@ -13,7 +13,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from .. import fileio
+from ..core import fileio
 from .evaluate import EvalRow, detokenize, kld_base, kld_file, perplexity_args, plot_pareto
 from .manifest import digest
 

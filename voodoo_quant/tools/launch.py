@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-from ..errors import ConfigError, ToolFailedError
+from ..core.errors import ConfigError, ToolFailedError
 
 
 @dataclass

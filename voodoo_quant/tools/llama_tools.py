@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from .. import paths
-from ..errors import CorruptFileError, ToolFailedError
+from ..core import paths
+from ..core.errors import CorruptFileError, ToolFailedError
 
 
 @dataclass(frozen=True)
@@ -80,9 +80,9 @@ def _tensors(path: Path, what: str) -> list[tuple[str, int, int, int]]:
     import math
     import struct
 
-    from .. import qtypes as qt
-    from ..errors import VoodooError
-    from ..imatrix import _gguf_header
+    from ..core import qtypes as qt
+    from ..core.errors import VoodooError
+    from ..gguf.imatrix import _gguf_header
 
     path = Path(path)
     try:

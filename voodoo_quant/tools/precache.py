@@ -5,20 +5,20 @@ that IQ types take to initialize are paid once per worker). A second run finds e
 cached and returns in seconds; training then starts without quantizing anything.
 
 At scale: the weights are read one tensor at a time (a skeleton model and a
-:class:`~voodoo_quant.lazyload.WeightReader`, never the whole float model), and ``--shard i/n``
+:class:`~voodoo_quant.model.lazyload.WeightReader`, never the whole float model), and ``--shard i/n``
 splits the tensors over n processes or hosts writing one cache directory (a shared file system):
 each computes the same cost-balanced split and builds only its part; the n parts together are
 exactly the entries one run builds, and concurrent writers keep the cache consistent
-(:meth:`voodoo_quant.cache.CandidateCache.put`).
+(:meth:`voodoo_quant.candidates.cache.CandidateCache.put`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import envs
-from ..errors import ConfigError
-from ..menus import DEFAULT_CANDIDATES, MenuConfig, default_fill
+from ..core import envs
+from ..core.errors import ConfigError
+from ..selection.menus import DEFAULT_CANDIDATES, MenuConfig, default_fill
 
 
 @dataclass
@@ -39,7 +39,7 @@ class PrecacheConfig:
             raise ConfigError("--model is required")
         if self.workers is not None and self.workers < 1:
             raise ConfigError(f"--workers must be >= 1, got {self.workers}")
-        from ..precache import parse_shard
+        from ..candidates.precache import parse_shard
 
         parse_shard(self.shard)
         if self.fill_menus is None:
@@ -61,21 +61,21 @@ def precache(cfg: PrecacheConfig, *, progress: bool = True):
     import torch
 
     from ..arch import adapter_for
-    from ..cache import CandidateCache
-    from ..precache import build_all, job_cost, parse_shard, split_by_cost
-    from ..student import converter_layouts, plan_model, selectable_weights
+    from ..candidates.cache import CandidateCache
+    from ..candidates.precache import build_all, job_cost, parse_shard, split_by_cost
+    from ..student.build import converter_layouts, plan_model, selectable_weights
     from ..training.models import load_into
     from ..training.setup import _ReaderWeights, _jobs, imatrix_vectors
 
     from pathlib import Path
 
     if Path(cfg.model).is_dir() and any(Path(cfg.model).glob("*.safetensors")):
-        from ..lazyload import WeightReader, text_skeleton
+        from ..model.lazyload import WeightReader, text_skeleton
 
         model = text_skeleton(cfg.model, cfg.text_model_class)  # no weight is read until a job needs it
         reader = WeightReader(cfg.model, model, checkpoint=cfg.base_checkpoint)
     else:
-        from ..modeling import load_model
+        from ..model.modeling import load_model
 
         model = load_model(cfg.model, text_model_class=cfg.text_model_class, dtype=torch.float32)
         if cfg.base_checkpoint:
@@ -83,7 +83,7 @@ def precache(cfg: PrecacheConfig, *, progress: bool = True):
         reader = None
     imx = None
     if cfg.imatrix:
-        from .. import imatrix as im
+        from ..gguf import imatrix as im
 
         imx = im.load(cfg.imatrix)
     adapter = adapter_for(model.config)

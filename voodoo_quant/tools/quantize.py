@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from .. import fileio
-from ..errors import ConfigError
-from ..menus import MenuConfig
+from ..core import fileio
+from ..core.errors import ConfigError
+from ..selection.menus import MenuConfig
 from ..training.config import TrainConfig
 from .manifest import Clock, Manifests, digest
 from .variant import Variant
@@ -90,8 +90,8 @@ class QuantizeConfig:
     base_model: str | None = None  # default: the source's own, else its name
 
     def __post_init__(self) -> None:
-        from .. import qtypes as qt
-        from ..modeling import is_gguf
+        from ..core import qtypes as qt
+        from ..model.modeling import is_gguf
         from .export import canonical_name
 
         self.output_dir = Path(self.output_dir)
@@ -161,7 +161,7 @@ class QuantizeConfig:
 
 
 def _badges(sizes) -> list[str]:
-    from .. import qtypes as qt
+    from ..core import qtypes as qt
 
     out = []
     for s in sizes:
@@ -176,7 +176,7 @@ def default_model_name(src: Path) -> str:
     """``MyModel`` of ``MyModel/`` or ``MyModel.Q4_1.gguf`` / ``MyModel-Q4_K_M.gguf``."""
     import re
 
-    from .. import qtypes as qt
+    from ..core import qtypes as qt
 
     if src.suffix.lower() != ".gguf":
         return src.resolve().name
@@ -307,7 +307,7 @@ class Ladder:
         self.step("make-teacher", inputs, lambda: [self.teacher_hf / "config.json"], body)
 
     def reference_gguf(self) -> None:
-        from ..converter import convert
+        from ..gguf.converter import convert
 
         ref = self.reference
         self.step("reference", {"teacher": self.keys["make-teacher"], "outtype": "f32"}, lambda: [ref],
@@ -348,7 +348,7 @@ class Ladder:
         return f"Voodoo{size}" + (f"-{variant.name}" if variant is not None else "")
 
     def train(self, size: int, variant: Variant | None = None) -> None:
-        from ..hessian_store import FILE as HESSIANS_FILE
+        from ..candidates.hessian_store import FILE as HESSIANS_FILE
         from ..training.sensitivity import TABLE_NAME
 
         name = self.run_name(size, variant)

@@ -29,9 +29,9 @@ from typing import Mapping, Sequence
 
 import torch
 
-from ..budget import Budget
-from ..errors import ConfigError
-from ..menus import Upgrade, apply_upgrades, is_pinned
+from ..selection.budget import Budget
+from ..core.errors import ConfigError
+from ..selection.menus import Upgrade, apply_upgrades, is_pinned
 
 
 @dataclass

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import qtypes as qt
-from ..errors import ConfigError
-from ..menus import DEFAULT_CANDIDATES, MenuConfig, default_fill, parse_upgrades
+from ..core import qtypes as qt
+from ..core.errors import ConfigError
+from ..selection.menus import DEFAULT_CANDIDATES, MenuConfig, default_fill, parse_upgrades
 
 DTYPES = ("float32", "bfloat16", "float16")
 METHODS = ("gates", "sensitivity")

@@ -1,4 +1,4 @@
-"""Layer-input Hessians for ``--error_compensation gptq`` (voodoo_quant/compensate.py).
+"""Layer-input Hessians for ``--error_compensation gptq`` (voodoo_quant/candidates/compensate.py).
 
 H = Σ xᵀx over the inputs x of every planned Linear, on the first ``--compensation_sequences``
 training sequences, from the float model before the gates replace its weights. Tensors that read
@@ -6,7 +6,7 @@ the same input (q/k/v, gate/up) share one accumulator. A tied embedding is compe
 head it also is: its H is the head's input (the final hidden states), where its rounding error
 reaches every logit; the lookup's share of the error is left unweighted. Each H is stored in the
 GGUF tensor's column order, keyed by the HF tensor name, in ``<output_dir>/hessians.safetensors``
-(voodoo_quant/hessian_store.py), written pass by pass so that only one pass's accumulators are in
+(voodoo_quant/candidates/hessian_store.py), written pass by pass so that only one pass's accumulators are in
 memory; a later run (or size of a ladder) with the same inputs reuses it, and export maps it,
 checked by its sha256. A skeleton (``--lazy``: the float model never loaded whole) gives the same
 file one decoder layer at a time (training/layer_hessians.py).
@@ -23,11 +23,11 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from .. import fileio
-from ..compensate import Compensation, compensations
-from ..hessian_store import FILE as HESSIANS_FILE
-from ..hessian_store import load_hessians, read_key, write_hessians
-from ..errors import ConfigError
+from ..core import fileio
+from ..candidates.compensate import Compensation, compensations
+from ..candidates.hessian_store import FILE as HESSIANS_FILE
+from ..candidates.hessian_store import load_hessians, read_key, write_hessians
+from ..core.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ def collect_passes(model: nn.Module, plans: Sequence, tokens: torch.Tensor, *, b
     over `tokens` as it takes for each pass's accumulators (on the model's device) to hold at most
     `pass_bytes` (``VOODOO_HESSIAN_PASS_GB``; one input larger than that gets a pass of its own).
     The arrays are produced lazily, one pass at a time."""
-    from .. import envs
+    from ..core import envs
 
     modules = dict(model.named_modules())
     chosen = [p for p in plans if compensable(p, modules)]

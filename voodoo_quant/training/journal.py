@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from .. import fileio
-from ..errors import ConfigError, CorruptFileError
+from ..core import fileio
+from ..core.errors import ConfigError, CorruptFileError
 
 JOURNAL_NAME = "partial.pt"
 JOURNAL_VERSION = 1

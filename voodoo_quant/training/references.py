@@ -39,7 +39,7 @@ def _rank_shard(run):
     holds the whole model's off-menu bytes."""
     import torch
 
-    from ..student import ShardedPacked
+    from ..student.build import ShardedPacked
     from .setup import plan_shard
 
     def keep(plan, qtype: str, blob: bytes):

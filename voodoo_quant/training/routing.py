@@ -30,7 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.utils import parametrize
 
-from ..layers import MixedQuant, _Mix
+from ..student.layers import MixedQuant, _Mix
 
 log = logging.getLogger(__name__)
 

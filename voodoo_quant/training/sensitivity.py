@@ -25,7 +25,7 @@ from typing import Mapping, Sequence
 import torch
 import torch.nn as nn
 
-from .. import fileio
+from ..core import fileio
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +153,7 @@ def table_key(plans: Sequence, tokens: torch.Tensor, model: str, *, weights_sha2
     imatrix vector each tensor's candidates are quantized with (another imatrix changes them), the
     error compensation they were quantized with, and the seed (the Fisher pass draws its labels from it; an output-error table without curvature
     does not use it, and is recomputed for another seed all the same)."""
-    from ..imatrix import vector_hash
+    from ..gguf.imatrix import vector_hash
 
     h = hashlib.sha256()
     h.update(json.dumps([[p.name, list(p.menu.types), list(p.sizes)] for p in plans]).encode())
@@ -252,7 +252,7 @@ def ensure_table(cfg, base: nn.Module, plans: Sequence, vectors, tokens: torch.T
     float `base` (before the gates replace its weights) on the first ``--sensitivity_sequences``
     sequences, and saved there. ``fisher`` (downstream-aware, ``fisher.py``), ``output`` (each
     tensor's own output error, above) or ``measured`` (every rung's ΔKL measured, ``measured.py``)."""
-    from ..provenance import model_weights_sha256
+    from .provenance import model_weights_sha256
     from . import layerwise
     from .fisher import curvature_table, fisher_diagonal
     from .setup import candidate_sources, reader_weights

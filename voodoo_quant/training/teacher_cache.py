@@ -26,7 +26,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn as nn
 
-from .. import fileio
+from ..core import fileio
 
 log = logging.getLogger(__name__)
 

@@ -47,7 +47,7 @@ def shard_entry(e: Mapping[str, Any], shard, rank: int, world: int) -> dict[str,
 def dequantize(qs: torch.Tensor, d16: torch.Tensor, dtype: torch.dtype, block_rows: int | None = None) -> torch.Tensor:
     """``d * qs`` in float32 (as ``checkpoints.entry_to_float``), cast to `dtype`, computed a block
     of rows at a time into the output (each element by the same operations: the same values)."""
-    from ..layers import chunk_rows
+    from ..student.layers import chunk_rows
 
     rows, cols = qs.shape
     step = block_rows or chunk_rows((rows, cols))
@@ -141,7 +141,7 @@ def packs_teacher(cfg) -> bool:
 def teacher_checkpoint_is_q8(path) -> bool:
     from pathlib import Path
 
-    from ..checkpoints import TEACHER_FORMAT
+    from ..model.checkpoints import TEACHER_FORMAT
 
     if not Path(path).is_file():
         return False

@@ -1,5 +1,5 @@
 """The distillation loss of a tensor-parallel rank: cross-entropy and KL(teacher ‖ student) from
-vocabulary-sharded LM heads (:mod:`voodoo_quant.parallel` splits them), with a distributed
+vocabulary-sharded LM heads (:mod:`voodoo_quant.distributed.parallel` splits them), with a distributed
 log-sum-exp, chunked over tokens and checkpointed per chunk like the single-device path
 (``losses.distill_terms``), which it equals up to float summation order."""
 
@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ..parallel import TPContext, tp_copy, tp_reduce
+from ..distributed.parallel import TPContext, tp_copy, tp_reduce
 
 
 def _lse(x: torch.Tensor, tp: TPContext) -> torch.Tensor:

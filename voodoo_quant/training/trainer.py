@@ -19,10 +19,12 @@ from typing import Callable
 
 import torch
 
-from .. import faults, fileio, layers, provenance
-from ..assignment import Assignment, TensorChoice
-from ..budget import size_penalty
-from ..errors import ConfigError
+from ..core import faults, fileio
+from ..student import layers
+from . import provenance
+from ..selection.assignment import Assignment, TensorChoice
+from ..selection.budget import size_penalty
+from ..core.errors import ConfigError
 from . import journal, methods, routing
 from .references import complete_curvature, plan_references_for
 from .journal import StepMetrics, append_log as _append_log, read_log as _read_log
@@ -89,7 +91,7 @@ class Trainer:
         check_scale_flags(cfg)
         tp = None
         if cfg.tensor_parallel > 1:
-            from ..parallel import TPContext
+            from ..distributed.parallel import TPContext
 
             tp = TPContext.current(cfg.tensor_parallel, "gloo" if cfg.device == "cpu" else "nccl")
         devices = _devices(cfg, tp)
@@ -110,7 +112,7 @@ class Trainer:
         tp_plan = None
         compensation = None
         if tp is not None:
-            from ..parallel import plan_tp
+            from ..distributed.parallel import plan_tp
 
             tp_plan = plan_tp(base, adapter, tp.world, plans)  # refuses a degree that cannot split, before work
         mixed = {}
@@ -122,7 +124,7 @@ class Trainer:
             self.run.tokens, self.run.held_tokens, self.run.confirm_tokens = hold_aside(
                 tokens, cfg.search_sequences, cfg.search_confirm)
         if cfg.compensation != "none":  # also for a finalize: the assignment records what export redoes
-            from ..compensate import QuantInputs
+            from ..candidates.compensate import QuantInputs
             from . import hessians
 
             # the training split, also where a finalize holds nothing aside: the Hessians (and
@@ -161,7 +163,7 @@ class Trainer:
 
                 self.run.gap = RelaxationGap(mixed, self.run.curvature)
             if tp is not None:
-                from ..parallel import apply_tp
+                from ..distributed.parallel import apply_tp
 
                 apply_tp(base, tp_plan, tp, gated=mixed)
                 shard_teacher(teacher, tp_plan, tp)
@@ -170,7 +172,7 @@ class Trainer:
                 shard_teacher(teacher, None, None)  # a --lazy skeleton: read whole, one tensor at a time
             teacher.to(self.run.teacher_device)
             if len(devices) > 1 or cfg.device_map:
-                from ..device_map import apply_device_map
+                from ..distributed.device_map import apply_device_map
 
                 apply_device_map(base, devices)
                 if not cfg.teacher_device:
@@ -180,7 +182,7 @@ class Trainer:
                 base.train()  # HF only checkpoints in training mode; the models have no dropout left active
                 _disable_dropout(base)
                 if tp is not None:  # each rank keeps 1/world of every layer's input (tp_checkpoint.py)
-                    from ..tp_checkpoint import install
+                    from ..distributed.tp_checkpoint import install
 
                     install(base, tp)
         info = {"path": cfg.imatrix, "sha256": getattr(imx, "sha256", None), "covered": len(vectors)}
@@ -271,10 +273,10 @@ class Trainer:
             ce_m, kl_m = micro_backward(run, ids, router, acc_n)
             ce, kl, n_tok = ce + float(ce_m.detach()) / acc_n, kl + float(kl_m.detach()) / acc_n, n_tok + ids.numel()
         if run.tp is not None:  # the shards' contributions to each gate gradient, summed
-            from ..parallel import sync_gate_grads
+            from ..distributed.parallel import sync_gate_grads
 
             sync_gate_grads([mq.gates for n, mq in run.mixed.items() if n in run.tp_sharded], run.tp)
-        from ..device_map import gate_sum
+        from ..distributed.device_map import gate_sum
 
         expected = gate_sum((mq.expected_bytes() for mq in run.mixed.values()), run.device)
         pen = size_penalty(expected, run.budget.train_target_bytes, cfg.size_tolerance, cfg.size_weight)
@@ -325,7 +327,7 @@ class Trainer:
             polished = polish_baked(run.plans, run.sensitivity, res, run.budget, cfg.upgrades)
             choices.append(("gates+polish", dict(polished.choice)))
         if run.tp is not None:
-            from ..parallel import check_same_choice
+            from ..distributed.parallel import check_same_choice
 
             check_same_choice(res.choice, run.tp)
         by = {p.name: p for p in run.plans}
@@ -338,7 +340,7 @@ class Trainer:
             outcome = improve(run, choices, on_eval=self.on_search)
             types, sizes = outcome.types, outcome.sizes
             if run.tp is not None:  # every rank measured the same values: the same winner, checked
-                from ..parallel import check_same_choice
+                from ..distributed.parallel import check_same_choice
 
                 check_same_choice(dict(types), run.tp)  # types: an off-menu reference may have won
         faults.hit("bake")
@@ -430,7 +432,7 @@ def micro_backward(run: RunSetup, ids: torch.Tensor, router, acc_n: int, *, per_
 def _devices(cfg: TrainConfig, tp) -> list[torch.device]:
     """The devices of this process: ``--device_map``'s list, or one device (a TP rank's own)."""
     if cfg.device_map:
-        from ..device_map import parse_device_map
+        from ..distributed.device_map import parse_device_map
 
         return [resolve_device(d) for d in parse_device_map(cfg.device_map)]
     spec = cfg.device
@@ -495,7 +497,7 @@ def check_vocab(tokens: torch.Tensor, model, path: Path) -> None:
 
 def check_space(cfg: TrainConfig, plans) -> None:
     """Fail now, not hours later, if the candidate cache or the outputs cannot fit on disk."""
-    from ..cache import default_root
+    from ..candidates.cache import default_root
 
     cache_need = sum(sum(p.sizes) for p in plans)  # every candidate (cached ones counted too)
     n_gates = sum(len(p.sizes) for p in plans)
