@@ -223,7 +223,7 @@ def test_the_layer_by_layer_hessians_of_a_lazy_run_are_planned_as_their_own_phas
     (training/layer_hessians.py): the stored hidden states of the calibration sequences, one
     float32 layer and its n² accumulators, a batch's activations. The quantization processes'
     factors come later, beside the loading terms."""
-    from voodoo_quant.memory.plan import PROCESS_BASELINE
+    from voodoo_quant.memory.terms import PROCESS_BASELINE
 
     monkeypatch.setenv("VOODOO_QUANT_WORKERS", "1")
     base = ["--model", str(gate_model_dir / "model"), "--data_dir", str(tmp_path), "--candidate_types", "Q8_0", "Q4_0",

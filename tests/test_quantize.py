@@ -297,7 +297,7 @@ def test_ladder_with_error_compensation_collects_the_hessians_once(tiny_llama_hf
     from voodoo_quant.selection.assignment import Assignment
 
     out = tmp_path / "ladder"
-    caplog.set_level(logging.INFO, logger="voodoo_quant.training.hessians")
+    caplog.set_level(logging.INFO, logger="voodoo_quant.training.compensation")
     res = quantize(_cfg(tiny_llama_hf_dir, ladder_text_dir, out, stock=(), train_extra={
         "error_compensation": "gptq", "compensation_sequences": 2}), progress=False)
     assert sorted(res.files) == [60, 75]

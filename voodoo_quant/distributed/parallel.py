@@ -44,6 +44,7 @@ from torch.nn.utils import parametrize
 from ..core import envs
 from ..core import qtypes as qt
 from ..core.errors import ConfigError
+from ..model.lm_head import chunk_reason
 
 
 # -- shards ------------------------------------------------------------------------------------
@@ -293,8 +294,6 @@ def plan_tp(model: nn.Module, adapter, world: int, plans: Sequence[Any] = ()) ->
     ``lm_head(hidden)``; a split that is not whole heads per rank; a row-parallel split that would
     cut a row inside a quantization block of one of that tensor's menu types. Call it on the
     plain model, before the gates are attached."""
-    from ..training.losses import chunk_reason
-
     if world < 2:
         raise ConfigError(f"tensor parallelism needs at least 2 ranks, got {world}")
     if not getattr(adapter, "supports_tp", False):

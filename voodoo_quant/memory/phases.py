@@ -40,7 +40,8 @@ from typing import Mapping, Sequence
 
 import torch.nn as nn
 
-from .plan import GB, Term
+from ..core.units import GB
+from .terms import Term
 
 
 @dataclass(frozen=True)
@@ -185,7 +186,7 @@ def add_compensation(mp, cfg, model: nn.Module, plans: Sequence, *, skeleton: bo
     (training/layer_hessians.py), a phase of its own before the student and teacher are read:
     what it holds beyond the rest of the host plan (and, on an accelerator, beyond the device's
     training peak) is added, its own peak stated in the note."""
-    from .plan import PROCESS_BASELINE
+    from .terms import PROCESS_BASELINE
     from ..training.layer_hessians import phase_bytes
 
     term = compensation_term(cfg, model, plans, skeleton=skeleton)

@@ -48,20 +48,11 @@ import torch
 import torch.nn as nn
 
 from ..candidates import compact
+from ..core.units import GB
 from .probe import _layer_kinds, layer_saved_bytes
+from .terms import PROCESS_BASELINE, Term
 
-GB = 1e9
-# Resident set of a Python process that has imported torch, transformers and this package
-# (measured on this project's CPU machine: bench/memory_model.py prints it).
-PROCESS_BASELINE = 0.55e9
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-@dataclass
-class Term:
-    name: str
-    bytes: float
-    note: str = ""
 
 
 @dataclass

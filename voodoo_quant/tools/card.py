@@ -19,6 +19,7 @@ from typing import Any
 
 from ..core import fileio
 
+CARD_NAME = "README.md"  # the model card, in the ladder's output dir
 TAGS = ("gguf", "quantized", "llama.cpp", "imatrix", "voodoo_quant")
 
 
@@ -217,8 +218,6 @@ def command_line(c) -> str:
 
 
 def write_card(ladder, files: dict[int, Path], result: dict[str, Any] | None) -> Path:
-    from .quantize import CARD_NAME
-
     path = ladder.cfg.output_dir / CARD_NAME
     text = render(ladder, files, result)
     if not (path.is_file() and path.read_text(encoding="utf-8") == text):

@@ -38,9 +38,6 @@ from .variant import Variant
 
 log = logging.getLogger(__name__)
 
-CARD_NAME = "README.md"
-EVAL_NAME = "eval.json"
-PLOT_NAME = "pareto.png"
 IMATRIX_NAME = "imatrix.gguf"
 FLOOR = "Q8_0"  # always measured: the KLD floor of every table
 # Fields QuantizeConfig sets itself; `train_extra` may not override them.

@@ -40,6 +40,7 @@ import torch
 import torch.nn as nn
 
 from ..core.errors import ConfigError
+from ..core.units import GB
 from ..distributed.parallel import decoder_layers
 from .hessians import Collection, accumulating_hook, compensable, in_gguf_order, reader, shared_inputs, stored_layout
 from .layerwise import _buffers_to, _layer_index, _layers_replaced, _materialize, _params, _release, _restored, record
@@ -212,8 +213,6 @@ def phase_bytes(cfg, model: nn.Module, plans: Sequence) -> tuple[float, float, s
     head, whichever is larger, the largest layer's n² float32 accumulators (a tensor reading
     an input another one reads counted apart: an upper bound) and one batch's activations through
     a layer (its input, q/k/v, and the MLP's three intermediate-wide products, float32)."""
-    from ..memory.plan import GB
-
     prefix, layers = decoder_layers(model)
     text = model.config.get_text_config()
     hidden = text.hidden_size

@@ -172,6 +172,11 @@ class RoutedModule(nn.Module):
         self.use = use
         self.router = router
 
+    @property
+    def stands_in_for(self) -> nn.Module:
+        """The module this one replaces (model/lm_head.py asks whether it is a Linear)."""
+        return self.inner
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         mq, r = self.mq, self.router
         p = mq.probs()

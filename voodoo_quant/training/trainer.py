@@ -125,14 +125,14 @@ class Trainer:
                 tokens, cfg.search_sequences, cfg.search_confirm)
         if cfg.compensation != "none":  # also for a finalize: the assignment records what export redoes
             from ..candidates.compensate import QuantInputs
-            from . import hessians
+            from .compensation import ensure as ensure_compensation
 
             # the training split, also where a finalize holds nothing aside: the Hessians (and
             # their key, which a resume checks) are those the trained candidates were built with
             calib = hold_aside(tokens, cfg.search_sequences, cfg.search_confirm)[0] if cfg.method == "gates" else tokens
-            comps, compensation = hessians.ensure(cfg, base, plans, calib,
-                                                  weights_sha256=self.run.provenance["weights_sha256"],
-                                                  progress=self.progress, device=device)
+            comps, compensation = ensure_compensation(cfg, base, plans, calib,
+                                                    weights_sha256=self.run.provenance["weights_sha256"],
+                                                    progress=self.progress, device=device)
             vectors = QuantInputs(vectors, comps)
         self.run.provenance["compensation"] = compensation
         if cfg.needs_sensitivity:
