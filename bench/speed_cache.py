@@ -29,12 +29,12 @@ import numpy as np
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from voodoo_quant.gguf import imatrix
+from voodoo_quant.candidates.cache import CandidateCache  # noqa: E402
+from voodoo_quant.candidates.precache import CandidateJob, build_all  # noqa: E402
 from voodoo_quant.core import paths  # noqa: E402
 from voodoo_quant.core import qtypes as qt  # noqa: E402
-from voodoo_quant.candidates.cache import CandidateCache  # noqa: E402
+from voodoo_quant.gguf import imatrix
 from voodoo_quant.gguf.imatrix import Entry, Imatrix  # noqa: E402
-from voodoo_quant.candidates.precache import CandidateJob, build_all  # noqa: E402
 
 
 def make_model(d: Path, hidden: int, layers: int) -> Path:

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from voodoo_quant.core import ggml
-from voodoo_quant.candidates import mixkernel
 from voodoo_quant import quants
-from voodoo_quant.core import qtypes as qt
+from voodoo_quant.candidates import mixkernel
 from voodoo_quant.candidates.compact import CompactCandidates
-from voodoo_quant.selection.menus import Menu
+from voodoo_quant.core import ggml
+from voodoo_quant.core import qtypes as qt
 from voodoo_quant.quants.random_blocks import random_blocks
+from voodoo_quant.selection.menus import Menu
 from voodoo_quant.student.build import IdentityLayout, TensorPlan, build_mixed
 
 pytestmark = pytest.mark.skipif(mixkernel.load() is None, reason=f"mixing kernel unavailable: {mixkernel.unavailable_reason()}")

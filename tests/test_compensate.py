@@ -20,13 +20,13 @@ import numpy as np
 import pytest
 import torch
 
-from voodoo_quant.core import ggml
 from voodoo_quant.candidates.cache import FORMAT, CandidateCache
 from voodoo_quant.candidates.compensate import (
     Compensation, QuantInputs, compensated_matrix, compensation_of, quantize_compensated,
 )
-from voodoo_quant.core.errors import CorruptFileError, QuantizationInputError
 from voodoo_quant.candidates.hessian_store import load_hessians, read_key, write_hessians
+from voodoo_quant.core import ggml
+from voodoo_quant.core.errors import CorruptFileError, QuantizationInputError
 
 
 def _problem(rows=64, n=512, tokens=4096, seed=0):

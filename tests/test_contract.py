@@ -20,12 +20,12 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from voodoo_quant.gguf import converter
-from voodoo_quant.core import paths
-from voodoo_quant.training import provenance
-from voodoo_quant.core import qtypes as qt
-from voodoo_quant.selection.assignment import Assignment
 from voodoo_quant.cli.app import app
+from voodoo_quant.core import paths
+from voodoo_quant.core import qtypes as qt
+from voodoo_quant.gguf import converter
+from voodoo_quant.selection.assignment import Assignment
+from voodoo_quant.training import provenance
 
 MENU = ("Q8_0", "Q6_K", "Q4_K", "Q3_K", "Q2_K")  # K-quants: their bytes depend on the imatrix
 

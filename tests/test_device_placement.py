@@ -10,9 +10,9 @@ import torch.nn as nn
 from torch.nn.utils import parametrize
 
 from voodoo_quant.arch import adapter_for
-from voodoo_quant.student.layers import MixedQuant, attach
 from voodoo_quant.selection.menus import MenuConfig
 from voodoo_quant.student.build import attach_all, build_mixed, candidate_bytes, plan_model, selectable_weights
+from voodoo_quant.student.layers import MixedQuant, attach
 
 MENU = MenuConfig(("Q8_0", "Q4_K", "Q2_K", "Q4_0"))
 META = torch.device("meta")

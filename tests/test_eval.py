@@ -11,8 +11,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from voodoo_quant.core import paths
 from voodoo_quant.cli.app import app
+from voodoo_quant.core import paths
 from voodoo_quant.tools.embedded import shakespeare_dir
 from voodoo_quant.tools.evaluate import (
     GGUFEvalConfig, chunk_klds, chunk_stderr, evaluate_ggufs, evaluate_torch, median, percentile, stderr,

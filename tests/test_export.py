@@ -16,12 +16,12 @@ import subprocess
 import numpy as np
 import pytest
 
-from voodoo_quant.gguf import converter
 from voodoo_quant.core import paths
-from voodoo_quant.training import provenance
 from voodoo_quant.core import qtypes as qt
-from voodoo_quant.selection.assignment import Assignment, TensorChoice
+from voodoo_quant.gguf import converter
 from voodoo_quant.gguf.layout import model_layouts
+from voodoo_quant.selection.assignment import Assignment, TensorChoice
+from voodoo_quant.training import provenance
 
 ARCHS = ("llama", "qwen2", "qwen3", "qwen3_5", "lfm2")
 # Cheap-to-initialize types (IQ2/IQ1 grids cost seconds per process), with and without imatrix.

@@ -16,11 +16,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from voodoo_quant.candidates.cache import CandidateCache
 from voodoo_quant.core import fileio
+from voodoo_quant.core.errors import ConfigError, CorruptFileError, VoodooError
 from voodoo_quant.gguf import imatrix
 from voodoo_quant.selection.assignment import Assignment, TensorChoice
-from voodoo_quant.candidates.cache import CandidateCache
-from voodoo_quant.core.errors import ConfigError, CorruptFileError, VoodooError
 from voodoo_quant.training import journal
 
 FUZZ = settings(max_examples=50, deadline=None, derandomize=True,

@@ -7,9 +7,9 @@ import torch.nn as nn
 from torch.nn.utils import parametrize
 
 from voodoo_quant.arch import adapter_for
-from voodoo_quant.student.layers import MixedQuant, attach, mixed_modules
 from voodoo_quant.selection.menus import MenuConfig
 from voodoo_quant.student.build import attach_all, build_mixed, candidate_bytes, plan_model
+from voodoo_quant.student.layers import MixedQuant, attach, mixed_modules
 
 MENU = MenuConfig(("Q8_0", "Q4_K", "Q2_K", "Q4_0"))
 

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from voodoo_quant.arch import adapter_for
-from voodoo_quant.student.layers import _Mix, row_reader
 from voodoo_quant.selection.menus import MenuConfig
 from voodoo_quant.student.build import build_mixed, candidate_bytes, direct_quantize, plan_model, selectable_weights
+from voodoo_quant.student.layers import _Mix, row_reader
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
 MENU = MenuConfig(("Q8_0", "Q4_K", "Q2_K", "Q4_0"))

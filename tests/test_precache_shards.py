@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from voodoo_quant.core.errors import ConfigError
 from voodoo_quant.candidates.precache import parse_shard, split_by_cost
+from voodoo_quant.core.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 MENU = "Q8_0,Q4_K,Q6_K,Q4_0"

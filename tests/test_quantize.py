@@ -11,8 +11,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from voodoo_quant.core import fileio
 from voodoo_quant.cli.app import app
+from voodoo_quant.core import fileio
 from voodoo_quant.core.errors import ConfigError
 from voodoo_quant.tools.quantize import QuantizeConfig, default_model_name, quantize
 

@@ -16,11 +16,11 @@ import subprocess
 
 import pytest
 
-from voodoo_quant.selection import menus
 from voodoo_quant.core import paths
 from voodoo_quant.core import qtypes as qt
 from voodoo_quant.gguf import recipe_inputs, recipes
 from voodoo_quant.gguf.converter import convert
+from voodoo_quant.selection import menus
 
 # The ftypes of the brief, plus the other ones the tool accepts that the type table knows.
 FTYPES = ("Q2_K", "Q2_K_S", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_0", "Q4_1", "Q4_K_S", "Q4_K_M", "Q5_0",

@@ -20,8 +20,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from voodoo_quant.core import fileio
 from voodoo_quant.cli.app import app
+from voodoo_quant.core import fileio
 from voodoo_quant.core.errors import ConfigError, CorruptFileError
 
 ROOT = Path(__file__).resolve().parents[1]

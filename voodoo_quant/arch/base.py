@@ -16,6 +16,7 @@ import re
 from typing import Any, ClassVar
 
 from ..core.errors import ConfigError
+from ..distributed.parallel import Shard
 
 
 class UnknownArchitectureError(ConfigError):
@@ -59,8 +60,6 @@ def attention_shards(attn: Any, prefix: str, *, out_name: str = "o_proj", q_unit
     """Heads of a (grouped-query) attention block split across ranks: q/k/v by whole heads
     (column-parallel, biases with them), the output projection by the same head columns
     (row-parallel). `q_unit_factor` = 2 where q_proj interleaves a gate per head (Qwen3.5)."""
-    from ..distributed.parallel import Shard
-
     hd = attn.head_dim
     out = {}
     for name, unit in (("q_proj", hd * q_unit_factor), ("k_proj", hd), ("v_proj", hd)):
@@ -75,8 +74,6 @@ def attention_shards(attn: Any, prefix: str, *, out_name: str = "o_proj", q_unit
 
 def mlp_shards(mlp: Any, prefix: str, *, gate: str = "gate_proj", up: str = "up_proj", down: str = "down_proj"):
     """A gated MLP split by its intermediate features: gate/up column-, down row-parallel."""
-    from ..distributed.parallel import Shard
-
     out = {}
     for name in (gate, up):
         lin = getattr(mlp, name)

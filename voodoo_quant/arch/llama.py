@@ -7,6 +7,7 @@ serve where no checkpoint is at hand (tensor-type files, imatrix names, reports)
 
 from __future__ import annotations
 
+from ..distributed.parallel import LayerShard
 from .base import ArchAdapter, attention_shards, mlp_shards, register
 
 # gguf-py tensor_mapping.py names for the standard decoder blocks.
@@ -27,8 +28,6 @@ def decoder_shard_layer(self, layer, world: int):
     """Attention heads and MLP features split across ranks; norms (incl. Qwen3's per-head q/k
     norms) are replicated. The attention forward infers its head count from q_proj's output, and
     the query/key-value head ratio is unchanged by an even split: no attribute changes."""
-    from ..distributed.parallel import LayerShard
-
     return LayerShard(params={**attention_shards(layer.self_attn, "self_attn."), **mlp_shards(layer.mlp, "mlp.")})
 
 

@@ -23,9 +23,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ..core import envs, fileio
+from ..core import envs, fileio, ggml
 from ..core import qtypes as qt
 from ..core.errors import QuantizationInputError
+from ..gguf.imatrix import vector_hash
+from .compensate import applies, quantize_compensated
 
 FORMAT = 1
 DATA_FILE = "data.bin"
@@ -77,8 +79,6 @@ def default_root() -> Path:
 
 def lib_version() -> str:
     """Identity of the loaded libggml-base (version + commit): a rebuild changes the key."""
-    from ..core import ggml
-
     lib = ggml.lib()
     return f"{lib.version}+{lib.commit}"
 
@@ -97,9 +97,6 @@ class CandidateCache:
         `content` may pass a precomputed :func:`matrix_hash` (hashing a large tensor once for
         all of its types); `compensation` (a :class:`~voodoo_quant.candidates.compensate.Compensation`)
         keys the bytes of the compensated matrix instead (float types take none)."""
-        from .compensate import applies
-        from ..gguf.imatrix import vector_hash
-
         q = qt.get(qtype)
         if matrix.ndim != 2:
             raise QuantizationInputError(f"candidate matrices are 2-D, got shape {tuple(matrix.shape)}")
@@ -212,8 +209,6 @@ class CandidateCache:
                      compensation=None) -> bytes:
         """Cached bytes of `matrix` in `qtype`, quantizing with libggml-base on a miss (the
         error-compensated matrix with `compensation`, compensate.py)."""
-        from .compensate import quantize_compensated
-
         key = key or self.key(matrix, qtype, imatrix, compensation=compensation)
         data = self.get(key)
         if data is None:
@@ -227,8 +222,6 @@ def candidate(data: bytes, qtype: str, shape: tuple[int, int], dtype=None):
     """The training candidate: ggml ``to_float`` of the quantized bytes, as a torch tensor in
     `dtype` (default float32)."""
     import torch
-
-    from ..core import ggml
 
     w = ggml.lib().dequantize(data, qtype, shape)
     t = torch.from_numpy(w)

@@ -24,10 +24,11 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ..core import envs
-from . import mixkernel
-from ..core import qtypes as qt
 from .. import quants
+from ..core import envs
+from ..core import qtypes as qt
+from ..quants.random_blocks import random_blocks
+from . import mixkernel
 
 
 def _sub_block_order(layout, rows: int, n_per_row: int, sub: int) -> torch.Tensor | None:
@@ -48,8 +49,6 @@ def _sub_block_order(layout, rows: int, n_per_row: int, sub: int) -> torch.Tenso
 def bytes_per_weight(qtype: str) -> float | None:
     """What one weight of a `qtype` candidate costs held as codes: 1 byte of code plus its
     sub-block's float32 scale (and offset) shared by the sub-block; None for the float types."""
-    from ..quants.random_blocks import random_blocks
-
     q = qt.get(qtype)
     if q.is_float:
         return None

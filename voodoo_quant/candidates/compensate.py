@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..core import ggml
 from ..core import qtypes as qt
 from ..core.errors import QuantizationInputError
 
@@ -142,8 +143,6 @@ def compensated_matrix(matrix: np.ndarray, qtype: str | qt.QType, imatrix: np.nd
     they are and pass no error on."""
     import torch
 
-    from ..core import ggml
-
     q = qt.get(qtype)
     m = np.ascontiguousarray(matrix, dtype=np.float32)
     if m.ndim != 2:
@@ -188,8 +187,6 @@ def quantize_compensated(matrix: np.ndarray, qtype: str | qt.QType, imatrix: np.
                          comp: Compensation | None, *, lib=None, name: str = "tensor", workers: int | None = 1) -> bytes:
     """The candidate's bytes: libggml-base's quantization of W' (of `matrix` itself when `comp`
     is None or the type is a float type)."""
-    from ..core import ggml
-
     lib = lib or ggml.lib()
     if comp is not None and applies(qtype):
         matrix = compensated_matrix(matrix, qtype, imatrix, comp, lib)

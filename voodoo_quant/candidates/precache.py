@@ -22,10 +22,11 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from ..core import envs
+from ..core import envs, ggml
 from ..core import qtypes as qt
-from .cache import CacheKey, CandidateCache, lib_version, matrix_hash
 from ..core.errors import ConfigError, QuantizationInputError
+from .cache import CacheKey, CandidateCache, lib_version, matrix_hash
+from .compensate import quantize_compensated, release_factors
 
 # Relative single-thread seconds per 4096×4096 matrix (docs/facts.md, quantizer speed), used only to
 # schedule the slowest jobs first and to weigh the progress bar; not a measurement of this run.
@@ -73,8 +74,6 @@ def job_cost(qtype: str, n_elements: int, with_imatrix: bool) -> float:
 
 # -- worker side ---------------------------------------------------------------------------------
 def _worker_init(lib_path: str | None, iq_types: tuple[str, ...]) -> None:
-    from ..core import ggml
-
     lib = ggml.lib(lib_path)
     for t in iq_types:
         lib._ensure_init(qt.get(t))
@@ -82,9 +81,6 @@ def _worker_init(lib_path: str | None, iq_types: tuple[str, ...]) -> None:
 
 def _worker_build(root: str, npy: str, key: CacheKey, imatrix: np.ndarray | None, name: str,
                   lib_path: str | None, compensation=None) -> tuple[int, float]:
-    from ..core import ggml
-    from .compensate import quantize_compensated
-
     t0 = time.perf_counter()
     m = np.load(npy, mmap_mode="r")
     data = quantize_compensated(np.ascontiguousarray(m), key.qtype, imatrix, compensation, lib=ggml.lib(lib_path),
@@ -178,8 +174,6 @@ def build_all(
     bytes_built = 0
     with _Progress(progress, todo, cached) as bar:
         if todo and n_workers == 1 and pool is None:
-            from .compensate import release_factors
-
             try:
                 for _cost, name, j, k in todo:
                     data = cache.get_or_build(j.load(), j.qtype, j.imatrix, name=name, key=k, workers=1,

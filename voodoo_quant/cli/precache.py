@@ -25,7 +25,7 @@ def register(app: typer.Typer) -> None:
         shard: Optional[str] = typer.Option(None, "--shard", help="i/n: build only part i of n (1-based) of the tensors, balanced by cost; n processes or hosts sharing one cache directory (VOODOO_CACHE_DIR) fill it together."),
     ) -> None:
         """Build the candidate cache for a model and its menus ahead of training."""
-        from ..tools.precache import PrecacheConfig, precache as run
+        from ..tools.precache import PrecacheConfig, precache as run  # lazy: keeps `voodoo --help` light
 
         cfg = PrecacheConfig(model, base_checkpoint, text_model_class, candidate_types or None,
                              attention_candidates or None, non_attention_candidates or None, imatrix, workers, shard,

@@ -20,7 +20,7 @@ F = "After the bake: guarantee and search"
 
 
 def build_config(**kw):
-    from ..training.config import STOCK_REFERENCES, TrainConfig
+    from ..training.config import STOCK_REFERENCES, TrainConfig  # lazy: keeps `voodoo --help` light
 
     refs = kw.get("stock_references")  # a list flag (unset: None from Typer, () from Click's own parse)
     kw["stock_references"] = STOCK_REFERENCES if not refs else tuple(" ".join(refs).replace(",", " ").split())
@@ -96,15 +96,16 @@ def register(app: typer.Typer) -> None:
         stock_references: Optional[List[str]] = typer.Option(None, "--stock_references", help="llama-quantize ftypes the guarantee considers (default: all; the largest three that fit are measured).", rich_help_panel=F),
     ) -> None:
         """Train the gates under the size budget, bake, and write the assignment."""
+        # lazy: keeps `voodoo --help` light
         from ..training.report import print_dry_run, print_result, progress_reporter
-        from ..distributed.parallel import launched_rank, leave, shutdown
-        from ..training.setup import tiny
-        from ..training.trainer import Trainer
+        from ..distributed.parallel import launched_rank, leave, shutdown  # lazy: keeps `voodoo --help` light
+        from ..training.setup import tiny  # lazy: keeps `voodoo --help` light
+        from ..training.trainer import Trainer  # lazy: keeps `voodoo --help` light
 
         cfg = build_config(**{k: v for k, v in locals().items() if k in _FIELDS})
         try:
             if dry_run:  # from the config alone: no weights, no tokens file, no process group
-                from ..memory.plan import dry_run as plan_dry_run
+                from ..memory.plan import dry_run as plan_dry_run  # lazy: keeps `voodoo --help` light
 
                 if launched_rank() == 0:
                     print_dry_run(console, plan_dry_run(tiny(cfg)))

@@ -27,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from . import converter
 from ..core.errors import ConfigError, CorruptFileError, QuantizationInputError
+from . import converter
 
 # llama-quantize only quantizes >= 2-D tensors whose name ends in "weight" and that are not
 # in its exclusion list (src/llama-quant.cpp tensor_allows_quantization). The subset that

@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..core import qtypes as qt
+from ..core.errors import CorruptFileError
+from .imatrix import _gguf_header
 from .recipes import ModelParams, RecipeError, RecipeTensor, recipe
 
 def _first(v: Any) -> int:
@@ -26,9 +28,6 @@ def _first(v: Any) -> int:
 
 def gguf_inputs(path: str | Path) -> tuple[list[RecipeTensor], ModelParams]:
     """The tensor list and hyper-parameters of a GGUF model file, read from its header only."""
-    from ..core.errors import CorruptFileError
-    from .imatrix import _gguf_header
-
     path = Path(path)
     size, n = path.stat().st_size, 1 << 23
     while True:

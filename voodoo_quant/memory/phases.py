@@ -40,8 +40,17 @@ from typing import Mapping, Sequence
 
 import torch.nn as nn
 
+from ..candidates.compensate import FACTOR_CACHE_BYTES
+from ..core import envs
 from ..core.units import GB
-from .terms import Term
+from ..selection.budget import make_budget
+from ..training.guarantee import plan_references, rung_bytes, stock_provider
+from ..training.hessians import compensable
+from ..training.layer_hessians import phase_bytes
+from ..training.layerwise import host_bytes
+from ..training.objective import PREFIX_CACHE_BYTES, TEACHER_CACHE_BYTES
+from ..training.sensitivity import GRAM_BYTES, gram_bytes
+from .terms import PROCESS_BASELINE, Term
 
 
 @dataclass(frozen=True)
@@ -60,8 +69,6 @@ def measure_phase(cfg, *, db: int, hidden: int, vocab_rank: int, n_layers: int, 
     mixtures autograd keeps for backward, as in a training step (every weight's, or with
     ``--gradient_checkpointing`` one layer's and the head's); `probe_activations` / `probe_loss`:
     one training step's activations at batch 1 and one loss chunk."""
-    from ..training.objective import PREFIX_CACHE_BYTES, TEACHER_CACHE_BYTES
-
     n_seq, T = max(cfg.search_sequences, cfg.search_confirm if cfg.searches else 0), cfg.seq_len
     n_pred = n_seq * (T - 1)
     served = biggest * db if cfg.lazy else 0.0  # one dequantized rung in use
@@ -91,9 +98,6 @@ def references_bytes(cfg, model: nn.Module, plans: Sequence, covered: set[str],
     share of each tensor a tensor-parallel rank holds (its shard's bytes). 0 without the guarantee."""
     if not cfg.guarantee:
         return 0.0, ""
-    from ..selection.budget import make_budget
-    from ..training.guarantee import plan_references, rung_bytes, stock_provider
-
     budget = make_budget(plans, compression_ratio=cfg.compression_ratio, target_bits=cfg.target_bits,
                          budget_reduction=cfg.budget_reduction, tolerance=cfg.size_tolerance)
     stock = stock_provider(plans, getattr(model, "config", None), has_imatrix=bool(covered))
@@ -113,9 +117,6 @@ def sensitivity_term(cfg, model: nn.Module, plans: Sequence, full: int, world: i
     Gram matrices (at most ``GRAM_BYTES`` at once). On a skeleton (tensor parallelism, or --lazy in
     one process) the Fisher pass streams one decoder layer at a time (training/layerwise.py) before
     anything is loaded: its own phase, stated in the note and not added to the peak."""
-    from ..training.layerwise import host_bytes
-    from ..training.sensitivity import GRAM_BYTES, gram_bytes
-
     skip = "skipped with --no_warm_start --no_polish --no_guarantee --search_evals 0"
     seqs = cfg.sensitivity_sequences
     who = "rank 0, its own phase" if world > 1 else "its own phase"
@@ -125,8 +126,6 @@ def sensitivity_term(cfg, model: nn.Module, plans: Sequence, full: int, world: i
                     f"layer by layer before loading: {stored / GB:.2f} GB of stored layer inputs "
                     f"({seqs} x {cfg.seq_len} tokens) + one float32 layer; {skip}")
     if cfg.sensitivity_kind == "measured":  # training/measured.py: HeldAside's caches beside the model
-        from ..training.objective import PREFIX_CACHE_BYTES, TEACHER_CACHE_BYTES
-
         tokens, vocab = seqs * cfg.seq_len, int(getattr(getattr(model, "config", None), "vocab_size", 0) or 0)
         logp = tokens * vocab * 4 if tokens * vocab * 4 <= TEACHER_CACHE_BYTES else tokens * hidden * 4
         prefix = n_layers * tokens * hidden * 4 if n_layers * tokens * hidden * 4 <= PREFIX_CACHE_BYTES else 0
@@ -159,10 +158,6 @@ def compensation_term(cfg, model: nn.Module, plans: Sequence, *, skeleton: bool 
       H, factor and inverse of the tensor it works on."""
     if getattr(cfg, "compensation", "none") == "none":
         return None
-    from ..core import envs
-    from ..candidates.compensate import FACTOR_CACHE_BYTES
-    from ..training.hessians import compensable
-
     modules = dict(model.named_modules())
     dims = [p.layout.n_per_row for p in plans if compensable(p, modules)]
     if not dims:
@@ -186,9 +181,6 @@ def add_compensation(mp, cfg, model: nn.Module, plans: Sequence, *, skeleton: bo
     (training/layer_hessians.py), a phase of its own before the student and teacher are read:
     what it holds beyond the rest of the host plan (and, on an accelerator, beyond the device's
     training peak) is added, its own peak stated in the note."""
-    from .terms import PROCESS_BASELINE
-    from ..training.layer_hessians import phase_bytes
-
     term = compensation_term(cfg, model, plans, skeleton=skeleton)
     if term is None:
         return

@@ -47,8 +47,19 @@ from typing import Any, Sequence
 import torch
 import torch.nn as nn
 
+from ..arch import adapter_for
 from ..candidates import compact
+from ..core import envs
+from ..core.errors import ConfigError
 from ..core.units import GB
+from ..distributed.parallel import decoder_layers, plan_tp
+from ..gguf import imatrix as im
+from ..model.lazyload import text_skeleton
+from ..model.lm_head import chunk_reason
+from ..selection.budget import make_budget
+from ..student.build import IdentityLayout, converter_layouts, plan_model, selectable_weights
+from ..student.layers import MIX_CHUNK_ELEMENTS, chunk_rows
+from .phases import add_compensation, measure_phase, references_bytes, sensitivity_term
 from .probe import _layer_kinds, layer_saved_bytes
 from .terms import PROCESS_BASELINE, Term
 
@@ -122,8 +133,6 @@ def plan_memory(cfg, model: nn.Module, plans: Sequence, *, adapter=None, tp_plan
     split or gated) with its `plans`; `tp_plan` / `world` for a tensor-parallel rank. `replan`
     (changes -> MemoryPlan) lets the plan say which flag changes would make it fit. `covered`: the
     GGUF names the imatrix holds (default: every tensor with --imatrix, none without)."""
-    from ..distributed.parallel import decoder_layers
-
     db = DTYPE_BYTES[cfg.dtype]
     tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.dtype]
     kind = device_kind or ("cuda" if str(cfg.device).startswith("cuda") else "cpu")
@@ -135,8 +144,6 @@ def plan_memory(cfg, model: nn.Module, plans: Sequence, *, adapter=None, tp_plan
     planned = {p.name for p in plans} | {f"{m}.weight" for p in plans for m in p.modules}
 
     # -- weights and candidates -----------------------------------------------------------------
-    from ..student.layers import MIX_CHUNK_ELEMENTS, chunk_rows
-
     sel = {p.name: _rank_numel(p.name, p.shape, tp_plan, world) for p in plans}
     frac = {p.name: sel[p.name] / _numel(p.shape) for p in plans}
     big = max(sel.values())
@@ -256,8 +263,6 @@ def plan_memory(cfg, model: nn.Module, plans: Sequence, *, adapter=None, tp_plan
     mp.device.append(Term("loss chunk (logits, log-softmax, KL)", loss,
                           f"{chunk} tokens x {v_rank} vocab" + ("" if cfg.loss_chunk_size > 0 else "; --loss_chunk_size bounds it")))
     # the guarantee's off-menu candidates, packed in RAM from the setup to the end of the run
-    from .phases import references_bytes
-
     if covered is None:
         covered = {p.gguf_name for p in plans if p.gguf_name} if cfg.imatrix else set()
     refs, refs_note = references_bytes(cfg, model, plans, covered, frac) if cfg.measures else (0.0, "")
@@ -265,9 +270,6 @@ def plan_memory(cfg, model: nn.Module, plans: Sequence, *, adapter=None, tp_plan
     if refs_term and kind == "cpu":  # a CPU run's device is that RAM, through training too
         mp.device.append(refs_term)
     if cfg.measures:  # the guarantee and the search: their own phase after training (memory_phases.py)
-        from .phases import measure_phase
-        from ..training.losses import chunk_reason
-
         phase = measure_phase(cfg, db=db, hidden=hidden, vocab_rank=v_rank, n_layers=n_layers, world=world,
                               plain_head=chunk_reason(model) is None, biggest=big, block=blk,
                               probe_mixed=mixed_bytes,
@@ -304,7 +306,6 @@ def plan_memory(cfg, model: nn.Module, plans: Sequence, *, adapter=None, tp_plan
         mp.host.append(Term("teacher weights (--teacher_device)", t_bytes))
     if refs_term:  # made while the loaded weights are still there (training/references.py)
         mp.host.append(refs_term)
-    from .phases import add_compensation, sensitivity_term
     if cfg.needs_sensitivity:
         mp.host.append(sensitivity_term(cfg, model, plans, full, world, hidden, n_layers, skeleton))
     add_compensation(mp, cfg, model, plans, skeleton=skeleton)  # last: its --lazy phase is set against the rest
@@ -346,8 +347,6 @@ def _head_plan(model: nn.Module, plans: Sequence) -> str | None:
 
 def _layer_numel(plans: Sequence, sel: dict, model: nn.Module) -> int:
     """The rank's gated weights of the largest decoder layer."""
-    from ..distributed.parallel import decoder_layers
-
     prefix, layers = decoder_layers(model)
     per: dict[int, int] = {}
     for p in plans:
@@ -360,8 +359,6 @@ def _layer_numel(plans: Sequence, sel: dict, model: nn.Module) -> int:
 
 def _rows_readable(p) -> bool:
     """Whether lazy candidates of plan `p` can be read by rows (student.PackedCandidates.row_reader)."""
-    from ..student.build import IdentityLayout
-
     inner = getattr(p.layout, "inner", None)
     if len(p.shape) != 2:
         return False
@@ -387,8 +384,6 @@ def _advice(cfg, mp: MemoryPlan, capacity, replan) -> list[str]:
         options.append((f"--tensor_parallel {2 * mp.world} (--nproc {2 * mp.world})", {"__world": 2 * mp.world}))
     elif not cfg.teacher_device and str(cfg.device).startswith("cuda"):
         options.append(("--teacher_device cpu", {"teacher_device": "cpu"}))
-    from ..core.errors import ConfigError
-
     single, out = [], []
     for flag, change in options:
         try:
@@ -427,8 +422,6 @@ def device_capacity(cfg) -> float | None:
     else 32 GB for ``--device cuda`` (the reference recipe's cards), else the host's RAM."""
     import os
 
-    from ..core import envs
-
     gb = envs.device_memory_gb()
     if gb is not None:
         return gb * GB
@@ -446,11 +439,6 @@ def dry_run(cfg, world: int | None = None) -> DryRun:
     """Plan a run from the model's config alone (a skeleton on ``meta``: no weight, no tokens
     file, no process group): menus, budget, the tensor-parallel split and the memory plan."""
 
-    from ..arch import adapter_for
-    from ..selection.budget import make_budget
-    from ..model.lazyload import text_skeleton
-    from ..student.build import converter_layouts, plan_model, selectable_weights
-
     world = world or cfg.tensor_parallel
     notes = []
     model = text_skeleton(cfg.model, cfg.text_model_class)
@@ -461,8 +449,6 @@ def dry_run(cfg, world: int | None = None) -> DryRun:
         notes.append(f"{cfg.model} holds no weights: GGUF rows are taken as the HF rows (sizes may differ slightly)")
     names = None
     if cfg.imatrix and Path(cfg.imatrix).is_file():
-        from ..gguf import imatrix as im
-
         names = set(im.load(cfg.imatrix).entries)
     elif cfg.imatrix:
         names = {adapter.gguf_name(n) for n in selectable_weights(model)}
@@ -473,8 +459,6 @@ def dry_run(cfg, world: int | None = None) -> DryRun:
     covered = set(names or ())
     budget = make_budget(plans, compression_ratio=cfg.compression_ratio, target_bits=cfg.target_bits,
                          budget_reduction=cfg.budget_reduction, tolerance=cfg.size_tolerance)
-    from ..distributed.parallel import plan_tp
-
     capacity = device_capacity(cfg)
 
     def plan_for(c, w: int, replan=None) -> MemoryPlan:

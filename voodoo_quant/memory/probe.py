@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from ..distributed.parallel import decoder_layers
 
 
 class _FakeTP:
@@ -67,8 +68,6 @@ def layer_saved_bytes(model: nn.Module, index: int, batch: int, seq: int, dtype:
                       adapter=None, world: int = 1) -> float:
     """Bytes autograd saves for decoder layer `index` of `model` (run on ``meta``) on a
     [batch, seq] input, this rank's heads under tensor parallelism; weights excluded."""
-    from ..distributed.parallel import decoder_layers
-
     _, layers = decoder_layers(model)
     layer = copy.deepcopy(layers[index]).to(device="meta", dtype=dtype)
     if world > 1 and adapter is not None and getattr(adapter, "supports_tp", False):
@@ -113,8 +112,6 @@ def layer_saved_bytes(model: nn.Module, index: int, batch: int, seq: int, dtype:
 
 def _layer_kinds(model: nn.Module) -> list[int]:
     """Index of the first decoder layer of each distinct layer class/kind."""
-    from ..distributed.parallel import decoder_layers
-
     _, layers = decoder_layers(model)
     kinds: dict[Any, int] = {}
     types = getattr(model.config.get_text_config(), "layer_types", None)

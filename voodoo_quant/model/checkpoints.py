@@ -19,9 +19,10 @@ from typing import Any
 
 import numpy as np
 
-from ..core import fileio
+from ..core import fileio, ggml
 from ..core import qtypes as qt
 from ..core.errors import CorruptFileError
+from .modeling import model_from_state_dict
 
 BASE_FORMAT = "voodoo-base/1"
 TEACHER_FORMAT = "voodoo-teacher/1"
@@ -32,8 +33,6 @@ _Q8_0_BLOCK = np.dtype([("d", "<f2"), ("qs", "i1", (32,))])  # block_q8_0, ggml-
 def teacher_entry(name: str, w) -> dict[str, Any]:
     """One tensor of the teacher, as llama-quantize would store it in a Q8_0 file."""
     import torch
-
-    from ..core import ggml
 
     if w.ndim != 2:
         return {"type": "F32", "data": w.to(torch.float32).contiguous()}
@@ -87,8 +86,6 @@ def module_from_checkpoint(path: str | Path, dtype: Any = None):
 
     import torch
     import transformers
-
-    from .modeling import model_from_state_dict
 
     obj = fileio.torch_load(path, what="checkpoint")
     fmt = obj.get("format") if isinstance(obj, dict) else None

@@ -20,6 +20,8 @@ import torch
 import torch.nn as nn
 
 from ..core.errors import CorruptFileError
+from .checkpoints import TEACHER_FORMAT, entry_to_float
+from .modeling import _map_key, load_config, resolve_text_class
 
 
 @contextlib.contextmanager
@@ -55,8 +57,6 @@ def skeleton(cls, config) -> nn.Module:
 def text_skeleton(source: str | os.PathLike, text_model_class: str | None = None) -> nn.Module:
     """The skeleton of the causal LM that :func:`voodoo_quant.model.modeling.load_model` would load."""
     import transformers
-
-    from .modeling import load_config, resolve_text_class
 
     config = load_config(source)
     if text_model_class is None:
@@ -104,8 +104,6 @@ class WeightReader:
 
     def __init__(self, model_dir: str | os.PathLike, model: nn.Module, *, strip_prefix: str | None = None,
                  checkpoint: str | os.PathLike | None = None):
-        from .modeling import _map_key
-
         expected = {n for n, _ in [*model.named_parameters(remove_duplicate=False),
                                    *model.named_buffers(remove_duplicate=False)]}
         self._where: dict[str, tuple[Path, str]] = {}
@@ -130,8 +128,6 @@ class WeightReader:
             self._load_checkpoint(Path(checkpoint))
 
     def _load_checkpoint(self, path: Path) -> None:
-        from .checkpoints import TEACHER_FORMAT
-
         if not path.is_file():
             raise CorruptFileError(f"checkpoint {path} does not exist")
         try:  # memory-mapped: an entry's pages are read when it is used, not now
@@ -176,8 +172,6 @@ class WeightReader:
         if name in self._ckpt:
             e = self._ckpt[name]
             if self._teacher:
-                from .checkpoints import entry_to_float
-
                 t = entry_to_float(e)
             else:
                 t = e.to(torch.float32)

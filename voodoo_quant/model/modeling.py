@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from ..core.errors import ConfigError, CorruptFileError, VoodooError
+from ..core.fileio import sha256_file
 
 
 class ModelLoadError(VoodooError):
@@ -172,8 +173,6 @@ class SourceIdentity:
 
 
 def source_identity(source: str | os.PathLike) -> SourceIdentity:
-    from ..core.fileio import sha256_file
-
     p = Path(source)
     if is_gguf(p):
         return SourceIdentity(str(p.resolve()), "gguf", sha256_file(p))

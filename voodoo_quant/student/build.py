@@ -16,13 +16,18 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from .. import quants
+from ..arch.base import ArchAdapter
+from ..candidates import compensate
+from ..candidates.compact import CompactCandidates
+from ..candidates.compensate import applies, compensation_of
+from ..candidates.precache import CandidateJob
 from ..core import ggml
 from ..core import qtypes as qt
-from ..arch.base import ArchAdapter
-from ..candidates.compact import CompactCandidates
 from ..core.errors import ConfigError
-from .layers import MixedQuant, attach
+from ..gguf.layout import find_layout, ggml_n_dims, llama_quantize_allows, model_layouts
 from ..selection.menus import Menu, MenuConfig, build_menu
+from .layers import MixedQuant, attach
 
 log = logging.getLogger(__name__)
 
@@ -143,8 +148,6 @@ class ConverterLayout:
 def converter_layouts(model_dir: str) -> LayoutProvider | None:
     """A layout provider from llama.cpp's own converter for `model_dir`, or None when the
     converter does not know the model (then rows are taken as they are; export is impossible)."""
-    from ..gguf.layout import find_layout, model_layouts
-
     unmapped: dict[str, tuple[int, ...]] = {}
     try:
         layouts = model_layouts(model_dir, unmapped=unmapped)
@@ -169,8 +172,6 @@ def fixed_tensors(plans: Sequence["TensorPlan"], layout_for) -> dict[str, tuple[
     (not a Linear/Embedding weight, or a converter transform that is no permutation: a MoE's
     merged expert stacks). Export writes them as llama-quantize's base type (``budget.BASE_TYPE``)
     and the budget counts them. Empty without the converter's layout map."""
-    from ..gguf.layout import ggml_n_dims, llama_quantize_allows
-
     planned = {p.gguf_name for p in plans}
     out: dict[str, tuple[int, ...]] = {}
     for lay in getattr(layout_for, "layouts", {}).values():
@@ -236,8 +237,6 @@ class PackedCandidates:
     dtype: torch.dtype
 
     def __call__(self, k: int) -> torch.Tensor:
-        from .. import quants
-
         t = self.plan.menu.types[k]
         m = quants.dequantize(self.packed[k], t, (self.plan.rows, self.plan.n_per_row))
         return self.plan.layout.from_gguf(m).to(self.dtype)
@@ -267,8 +266,6 @@ class PackedCandidates:
         return self._rows
 
     def _rows(self, k: int, lo: int, hi: int) -> torch.Tensor:
-        from .. import quants
-
         t = self.plan.menu.types[k]
         rb = qt.get(t).row_bytes(self.plan.n_per_row)
         m = quants.dequantize(self.packed[k][lo * rb:hi * rb], t, (hi - lo, self.plan.n_per_row))
@@ -296,8 +293,6 @@ class ShardedPacked:
     full_fallback: bool = False
 
     def __call__(self, k: int) -> torch.Tensor:
-        from .. import quants
-
         m = quants.dequantize(self.packed[k], self.types[k], self.sub_shape)
         if self.fallback is not None:
             return self.fallback(m).to(self.dtype)
@@ -323,8 +318,6 @@ class ShardedPacked:
         return None if self.fallback is not None or len(self.shape) != 2 else self._rows
 
     def _rows(self, k: int, lo: int, hi: int) -> torch.Tensor:
-        from .. import quants
-
         held = self.packed[k].reshape(self.sub_shape[0], -1)
         part = held[lo:hi] if self.row_sel is None else held.index_select(0, self.row_sel[lo:hi])
         m = quants.dequantize(part.contiguous(), self.types[k], (hi - lo, self.sub_shape[1]))
@@ -408,8 +401,6 @@ def candidate_bytes(
     """The ggml bytes of every rung of `plan`'s menu, quantized from the GGUF-layout matrix
     (error-compensated per type when `imatrix` is a QuantInputs carrying the tensor's
     compensation, compensate.py)."""
-    from ..candidates.compensate import applies, compensated_matrix, compensation_of
-
     m = plan.layout.to_gguf(weight)
     vec = None
     if imatrix is not None and plan.gguf_name is not None:
@@ -419,7 +410,7 @@ def candidate_bytes(
     for t in plan.menu.types:
         q = qt.get(t)
         use = vec if vec is not None and not q.is_float else None
-        src = compensated_matrix(m, q, use, comp) if comp is not None and applies(q) else m
+        src = compensate.compensated_matrix(m, q, use, comp) if comp is not None and applies(q) else m
         out.append(quantize(src, t, use, plan.name))
     return out
 
@@ -427,10 +418,6 @@ def candidate_bytes(
 def candidate_jobs(plans: Sequence[TensorPlan], weights: Mapping[str, torch.Tensor],
                    imatrix: Mapping[str, np.ndarray] | None) -> list:
     """One cache-build job per (tensor, menu rung), with the tensor's GGUF-layout matrix."""
-    from ..candidates.precache import CandidateJob
-
-    from ..candidates.compensate import compensation_of
-
     jobs = []
     for plan in plans:
         w = weights[plan.name]

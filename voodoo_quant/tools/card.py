@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..core import fileio
+from ..core import fileio, ggml
 
 CARD_NAME = "README.md"  # the model card, in the ladder's output dir
 TAGS = ("gguf", "quantized", "llama.cpp", "imatrix", "voodoo_quant")
@@ -71,8 +71,6 @@ def tool_version() -> str:
 
 
 def render(ladder, files: dict[int, Path], result: dict[str, Any] | None) -> str:
-    from ..core import ggml
-
     c, pre = ladder.cfg, ladder.pre
     name = c.model_name
     lic = c.license or pre.license or "other"

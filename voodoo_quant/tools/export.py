@@ -27,16 +27,16 @@ from typing import Any
 
 import numpy as np
 
-from ..gguf import converter
-from ..core import faults, fileio, ggml
-from ..training import provenance
-from ..core import qtypes as qt
-from ..selection.assignment import Assignment
-from ..selection.budget import BASE_TYPE, base_type_for
 from ..candidates.cache import CandidateCache
 from ..candidates.compensate import applies, quantize_compensated
+from ..core import faults, fileio, ggml
+from ..core import qtypes as qt
 from ..core.errors import ConfigError, CorruptFileError, QuantizationInputError
+from ..gguf import converter
 from ..gguf.layout import checkpoint_tensors, find_layout, ggml_n_dims, llama_quantize_allows, model_layouts
+from ..selection.assignment import Assignment
+from ..selection.budget import BASE_TYPE, base_type_for
+from ..training import provenance
 
 # llama.cpp's file-type guess (src/llama-model-loader.cpp): the ftype of the dominant type.
 _TYPE_TO_FTYPE = {

@@ -13,7 +13,9 @@ from pathlib import Path
 from typing import Sequence
 
 from ..core import paths
-from ..core.errors import CorruptFileError, ToolFailedError
+from ..core import qtypes as qt
+from ..core.errors import CorruptFileError, ToolFailedError, VoodooError
+from ..gguf.imatrix import _gguf_header
 
 
 @dataclass(frozen=True)
@@ -79,10 +81,6 @@ def _tensors(path: Path, what: str) -> list[tuple[str, int, int, int]]:
     :func:`check_gguf` says."""
     import math
     import struct
-
-    from ..core import qtypes as qt
-    from ..core.errors import VoodooError
-    from ..gguf.imatrix import _gguf_header
 
     path = Path(path)
     try:

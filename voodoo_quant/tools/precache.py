@@ -16,9 +16,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..arch import adapter_for
+from ..candidates.cache import CandidateCache
+from ..candidates.precache import build_all, job_cost, parse_shard, split_by_cost
 from ..core import envs
 from ..core.errors import ConfigError
+from ..gguf import imatrix as im
+from ..model import modeling
+from ..model.lazyload import WeightReader, text_skeleton
 from ..selection.menus import DEFAULT_CANDIDATES, MenuConfig, default_fill
+from ..student.build import converter_layouts, plan_model, selectable_weights
+from ..training.models import load_into
+from ..training.setup import _ReaderWeights, _jobs, imatrix_vectors
 
 
 @dataclass
@@ -39,8 +48,6 @@ class PrecacheConfig:
             raise ConfigError("--model is required")
         if self.workers is not None and self.workers < 1:
             raise ConfigError(f"--workers must be >= 1, got {self.workers}")
-        from ..candidates.precache import parse_shard
-
         parse_shard(self.shard)
         if self.fill_menus is None:
             self.fill_menus = default_fill(self.candidate_types, self.attention_candidates, self.non_attention_candidates)
@@ -60,31 +67,18 @@ def precache(cfg: PrecacheConfig, *, progress: bool = True):
     """Build every candidate of every selectable tensor (of this ``--shard``); returns the BuildReport."""
     import torch
 
-    from ..arch import adapter_for
-    from ..candidates.cache import CandidateCache
-    from ..candidates.precache import build_all, job_cost, parse_shard, split_by_cost
-    from ..student.build import converter_layouts, plan_model, selectable_weights
-    from ..training.models import load_into
-    from ..training.setup import _ReaderWeights, _jobs, imatrix_vectors
-
     from pathlib import Path
 
     if Path(cfg.model).is_dir() and any(Path(cfg.model).glob("*.safetensors")):
-        from ..model.lazyload import WeightReader, text_skeleton
-
         model = text_skeleton(cfg.model, cfg.text_model_class)  # no weight is read until a job needs it
         reader = WeightReader(cfg.model, model, checkpoint=cfg.base_checkpoint)
     else:
-        from ..model.modeling import load_model
-
-        model = load_model(cfg.model, text_model_class=cfg.text_model_class, dtype=torch.float32)
+        model = modeling.load_model(cfg.model, text_model_class=cfg.text_model_class, dtype=torch.float32)
         if cfg.base_checkpoint:
             load_into(model, cfg.base_checkpoint, "base checkpoint")
         reader = None
     imx = None
     if cfg.imatrix:
-        from ..gguf import imatrix as im
-
         imx = im.load(cfg.imatrix)
     adapter = adapter_for(model.config)
     plans = plan_model(model, adapter, cfg.menus, imatrix_names=set(imx.entries) if imx else None,

@@ -12,8 +12,8 @@ import torch
 import torch.nn as nn
 
 from ..candidates.compensate import Compensation, compensations
-from ..candidates.hessian_store import FILE as HESSIANS_FILE
 from ..candidates.hessian_store import load_hessians, read_key, write_hessians
+from ..candidates.hessian_store import FILE as HESSIANS_FILE
 from ..core import fileio
 from ..core.errors import ConfigError
 from .hessians import collect_passes, hessian_key

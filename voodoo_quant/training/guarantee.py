@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
 from ..core import qtypes as qt
+from ..gguf import recipe_inputs, recipes
 from ..selection.menus import is_pinned
 
 log = logging.getLogger(__name__)
@@ -71,8 +72,6 @@ def rung_bytes(plan, qtype: str) -> int:
 def stock_provider(plans: Sequence, config, has_imatrix: bool) -> Callable[[str], Mapping[str, str] | None]:
     """ftype -> {tensor: type} stock llama-quantize writes for this model (``recipes.py``), or
     None where the tool would refuse the ftype (it needs an imatrix the run lacks)."""
-    from ..gguf import recipe_inputs, recipes
-
     def stock(ftype: str) -> Mapping[str, str] | None:
         try:
             return recipe_inputs.stock_types(plans, config, ftype, has_imatrix=has_imatrix)

@@ -22,6 +22,7 @@ from typing import Sequence
 import numpy as np
 import torch
 import torch.nn as nn
+from ..core import envs
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +71,6 @@ def collect_passes(model: nn.Module, plans: Sequence, tokens: torch.Tensor, *, b
     over `tokens` as it takes for each pass's accumulators (on the model's device) to hold at most
     `pass_bytes` (``VOODOO_HESSIAN_PASS_GB``; one input larger than that gets a pass of its own).
     The arrays are produced lazily, one pass at a time."""
-    from ..core import envs
-
     modules = dict(model.named_modules())
     chosen = [p for p in plans if compensable(p, modules)]
     if not chosen:

@@ -27,7 +27,14 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
+from ..candidates.compensate import compensations
+from ..candidates.hessian_store import load_hessians
+from ..core import ggml
 from ..core.errors import ConfigError
+from ..core.fileio import sha256_file
+from ..gguf import imatrix as im
+from ..gguf.layout import find_layout, model_layouts
+from ..student.build import selectable_weights
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +91,6 @@ class _Read:
 def model_weights_sha256(model, plans: Iterable) -> str:
     """The weights hash of a loaded model, or of a skeleton (tensor-parallel sharded loading:
     parameters on ``meta``) through its checkpoint reader: the same bytes either way."""
-    from ..student.build import selectable_weights
-
     plans = list(plans)
     reader = getattr(model, "voodoo_reader", None)
     if reader is not None:
@@ -96,8 +101,6 @@ def model_weights_sha256(model, plans: Iterable) -> str:
 
 def ggml_version() -> str:
     """The libggml-base the quantizer runs on, as it reports itself."""
-    from ..core import ggml
-
     lib = ggml.lib()
     return f"ggml {lib.version} (commit {lib.commit})"
 
@@ -154,8 +157,6 @@ def resolve_imatrix(asg, given: Any, *, allow: bool):
     one the assignment records, else the recorded file; None when training used none.
 
     Loads (and so validates, naming the file) a path before comparing hashes."""
-    from ..gguf import imatrix as im
-
     rec_path, rec_sha = asg.imatrix, asg.imatrix_sha256
     if given is None:
         if rec_path is None and rec_sha is None:
@@ -184,9 +185,6 @@ def resolve_compensation(asg, *, allow: bool) -> dict:
     quantized with (``--error_compensation``), from the Hessians file the assignment records,
     checked by its sha256; {} when training used none. A missing file is refused even with the
     override: without it the trained bytes cannot be written."""
-    from ..candidates.compensate import compensations
-    from ..candidates.hessian_store import load_hessians
-
     rec = asg.compensation
     if not rec:
         return {}
@@ -195,8 +193,6 @@ def resolve_compensation(asg, *, allow: bool) -> dict:
         raise ProvenanceMismatchError(
             f"Hessians missing: the assignment was trained with --error_compensation {rec.get('method')} from {p}, "
             "which no longer exists; its candidates cannot be reproduced without it")
-    from ..core.fileio import sha256_file
-
     got = sha256_file(p)
     if got != rec.get("sha256"):
         refuse_or_warn(f"Hessians mismatch: the assignment was trained with {p} (sha256 {rec.get('sha256')}), "
@@ -232,9 +228,6 @@ def stamp(asg, model_dir: str | Path, *, imatrix: str | Path | None = None):
     import dataclasses
 
     from safetensors import safe_open
-
-    from ..core.fileio import sha256_file
-    from ..gguf.layout import find_layout, model_layouts
 
     model_dir = Path(model_dir)
     layouts = model_layouts(model_dir)

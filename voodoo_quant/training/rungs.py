@@ -19,8 +19,8 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from ..core import qtypes as qt
-from ..student.layers import MixedQuant, row_reader
 from ..selection.menus import rung_key
+from ..student.layers import MixedQuant, row_reader
 
 
 @dataclass

@@ -12,16 +12,22 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from ..core import envs, fileio
 from ..arch import adapter_for
 from ..arch.base import ArchAdapter
-from ..selection.budget import Budget, make_budget
+from ..candidates.cache import CandidateCache
 from ..candidates.compensate import compensation_of
+from ..candidates.precache import CandidateJob, build_all
+from ..core import envs, fileio
+from ..core import qtypes as qt
 from ..core.errors import ConfigError, CorruptFileError
-from ..student.layers import MixBuffers, MixedQuant
+from ..gguf import imatrix as im
+from ..model.lazyload import meta_names, set_tensor
+from ..selection.budget import Budget, make_budget
 from ..student.build import (
-    TensorPlan, attach_all, build_mixed, candidate_bytes, fixed_tensors, plan_model, prior_logits, selectable_weights,
+    TensorPlan, attach_all, build_mixed, candidate_bytes, candidate_jobs, converter_layouts, fixed_tensors, plan_model,
+    prior_logits, selectable_weights,
 )
+from ..student.layers import MixBuffers, MixedQuant
 from .config import TrainConfig
 from .models import materialize, reader_of
 
@@ -67,8 +73,6 @@ def reader_weights(model: nn.Module, plans):
 def load_imatrix(cfg: TrainConfig):
     if not cfg.imatrix:
         return None
-    from ..gguf import imatrix as im
-
     return im.load(cfg.imatrix)
 
 
@@ -146,8 +150,6 @@ def plan_run(cfg: TrainConfig, model: nn.Module, imx=None) -> tuple[ArchAdapter,
 
 def _layout_provider(cfg: TrainConfig, adapter: ArchAdapter):
     """The layout map learned from llama.cpp's converter (GGUF names, rows, permutations)."""
-    from ..student.build import converter_layouts
-
     return converter_layouts(cfg.model)
 
 
@@ -162,8 +164,6 @@ def build_student(
     The dense selectable weights are dropped before the model moves to `device` (the candidates
     replace them), so the device never holds the float model; a skeleton's other tensors (norms,
     small projections) are read whole here and split later by :func:`parallel.apply_tp`."""
-    from ..model.lazyload import meta_names, set_tensor
-
     reader = reader_of(base)
     params = dict(base.named_parameters(remove_duplicate=False))
     weights = reader_weights(base, plans)
@@ -220,9 +220,6 @@ def candidate_sources(plans: list[TensorPlan], weights, vectors: dict[str, np.nd
                       progress: bool = False):
     """A function plan -> the ggml bytes of its menu rungs, read from the cache one tensor at a
     time (every candidate is built into the cache first unless `quantize` is given)."""
-    from ..candidates.cache import CandidateCache
-    from ..candidates.precache import build_all
-
     if quantize is not None:
         return lambda p: candidate_bytes(p, weights[p.name], vectors, quantize)
     report = build_all(_jobs(plans, weights, vectors), CandidateCache(), progress=progress)
@@ -231,10 +228,6 @@ def candidate_sources(plans: list[TensorPlan], weights, vectors: dict[str, np.nd
 
 def _jobs(plans, weights, vectors):
     """candidate_jobs, with each matrix read only when a job needs it for a reader's weights."""
-    from ..core import qtypes as qt
-    from ..candidates.precache import CandidateJob
-    from ..student.build import candidate_jobs
-
     if not isinstance(weights, _ReaderWeights):
         return candidate_jobs(plans, weights, vectors)
     jobs = []
@@ -263,10 +256,6 @@ def extra_candidate_blobs(plans: list[TensorPlan], weights: dict[str, torch.Tens
     """(tensor, type) -> ggml bytes for types off a tensor's menu (the guarantee's references),
     through the same cache, quantizer and imatrix vector as the menu's candidates; with `keep`
     ((plan, type, bytes) -> what to hold), what it makes of each as it is read (a rank's shard)."""
-    from ..core import qtypes as qt
-    from ..candidates.cache import CandidateCache
-    from ..candidates.precache import CandidateJob, build_all
-
     jobs = []
     for p in plans:
         types = sorted(wanted.get(p.name, ()))

@@ -19,23 +19,35 @@ from typing import Callable
 
 import torch
 
+from ..candidates.cache import default_root
+from ..candidates.compensate import QuantInputs
 from ..core import faults, fileio
-from ..student import layers
-from . import provenance
+from ..core.errors import ConfigError
+from ..distributed.device_map import apply_device_map, gate_sum, parse_device_map
+from ..distributed.parallel import TPContext, apply_tp, check_same_choice, plan_tp, sync_gate_grads
+from ..distributed.tp_checkpoint import install
+from ..hardware import resolve_device as _resolve
 from ..selection.assignment import Assignment, TensorChoice
 from ..selection.budget import size_penalty
-from ..core.errors import ConfigError
-from . import journal, methods, routing
-from .references import complete_curvature, plan_references_for
-from .journal import StepMetrics, append_log as _append_log, read_log as _read_log
+from ..student import layers
+from . import journal, methods, provenance, routing
 from .bake import BakeResult, bake, polish_baked
-from .losses import distill_terms
+from .compensation import ensure as ensure_compensation
 from .config import TrainConfig
-from .schedule import batch_indices, tau_at
+from .finalize import improve
+from .journal import StepMetrics
+from .journal import append_log as _append_log
+from .journal import read_log as _read_log
+from .losses import distill_terms
 from .models import TORCH_DTYPES, load_models, sensitivity_model, shard_teacher
+from .references import complete_curvature, plan_references_for
+from .relaxation import RelaxationGap
+from .schedule import batch_indices, tau_at
+from .sensitivity import ensure_table, load_stored
 from .setup import (
     RunSetup, build_student, hold_aside, imatrix_vectors, load_imatrix, load_tokens, plan_run, plan_shard, tiny,
 )
+from .tp_losses import tp_distill_terms
 
 log = logging.getLogger(__name__)
 LOG_NAME = "train_log.jsonl"
@@ -53,8 +65,6 @@ class TrainResult:
 
 
 def resolve_device(spec: str) -> torch.device:
-    from ..hardware import resolve_device as _resolve
-
     return _resolve(spec)
 
 
@@ -91,8 +101,6 @@ class Trainer:
         check_scale_flags(cfg)
         tp = None
         if cfg.tensor_parallel > 1:
-            from ..distributed.parallel import TPContext
-
             tp = TPContext.current(cfg.tensor_parallel, "gloo" if cfg.device == "cpu" else "nccl")
         devices = _devices(cfg, tp)
         device = devices[0]
@@ -112,8 +120,6 @@ class Trainer:
         tp_plan = None
         compensation = None
         if tp is not None:
-            from ..distributed.parallel import plan_tp
-
             tp_plan = plan_tp(base, adapter, tp.world, plans)  # refuses a degree that cannot split, before work
         mixed = {}
         self.run = RunSetup(cfg, adapter, base, teacher, tokens, plans, budget, mixed, {}, device, dtype,
@@ -124,9 +130,6 @@ class Trainer:
             self.run.tokens, self.run.held_tokens, self.run.confirm_tokens = hold_aside(
                 tokens, cfg.search_sequences, cfg.search_confirm)
         if cfg.compensation != "none":  # also for a finalize: the assignment records what export redoes
-            from ..candidates.compensate import QuantInputs
-            from .compensation import ensure as ensure_compensation
-
             # the training split, also where a finalize holds nothing aside: the Hessians (and
             # their key, which a resume checks) are those the trained candidates were built with
             calib = hold_aside(tokens, cfg.search_sequences, cfg.search_confirm)[0] if cfg.method == "gates" else tokens
@@ -136,8 +139,6 @@ class Trainer:
             vectors = QuantInputs(vectors, comps)
         self.run.provenance["compensation"] = compensation
         if cfg.needs_sensitivity:
-            from .sensitivity import ensure_table
-
             need_curv = build and ((self.measures and cfg.searches) or (cfg.relaxation_gap and cfg.method == "gates"))
             with _main_first(tp):  # rank 0 computes and saves the table; the others load it
                 sens = ensure_table(cfg, sensitivity_model(cfg, base, tp), plans, vectors, self.run.tokens,
@@ -159,12 +160,8 @@ class Trainer:
                 mixed.update(build_student(cfg, base, plans, budget, vectors, device, dtype, progress=self.progress,
                                            init_logits=init, tp=tp, tp_plan=tp_plan))
             if cfg.relaxation_gap and self.run.curvature:
-                from .relaxation import RelaxationGap
-
                 self.run.gap = RelaxationGap(mixed, self.run.curvature)
             if tp is not None:
-                from ..distributed.parallel import apply_tp
-
                 apply_tp(base, tp_plan, tp, gated=mixed)
                 shard_teacher(teacher, tp_plan, tp)
                 self.run.tp_sharded = {p.name for p in plans if plan_shard(tp_plan, p) is not None}
@@ -172,8 +169,6 @@ class Trainer:
                 shard_teacher(teacher, None, None)  # a --lazy skeleton: read whole, one tensor at a time
             teacher.to(self.run.teacher_device)
             if len(devices) > 1 or cfg.device_map:
-                from ..distributed.device_map import apply_device_map
-
                 apply_device_map(base, devices)
                 if not cfg.teacher_device:
                     apply_device_map(teacher, devices)
@@ -182,8 +177,6 @@ class Trainer:
                 base.train()  # HF only checkpoints in training mode; the models have no dropout left active
                 _disable_dropout(base)
                 if tp is not None:  # each rank keeps 1/world of every layer's input (tp_checkpoint.py)
-                    from ..distributed.tp_checkpoint import install
-
                     install(base, tp)
         info = {"path": cfg.imatrix, "sha256": getattr(imx, "sha256", None), "covered": len(vectors)}
         self.run.imatrix_info = info
@@ -273,11 +266,7 @@ class Trainer:
             ce_m, kl_m = micro_backward(run, ids, router, acc_n)
             ce, kl, n_tok = ce + float(ce_m.detach()) / acc_n, kl + float(kl_m.detach()) / acc_n, n_tok + ids.numel()
         if run.tp is not None:  # the shards' contributions to each gate gradient, summed
-            from ..distributed.parallel import sync_gate_grads
-
             sync_gate_grads([mq.gates for n, mq in run.mixed.items() if n in run.tp_sharded], run.tp)
-        from ..distributed.device_map import gate_sum
-
         expected = gate_sum((mq.expected_bytes() for mq in run.mixed.values()), run.device)
         pen = size_penalty(expected, run.budget.train_target_bytes, cfg.size_tolerance, cfg.size_weight)
         gap = run.gap(run.device) if run.gap is not None else None  # after the TP sync: identical on every rank
@@ -327,21 +316,15 @@ class Trainer:
             polished = polish_baked(run.plans, run.sensitivity, res, run.budget, cfg.upgrades)
             choices.append(("gates+polish", dict(polished.choice)))
         if run.tp is not None:
-            from ..distributed.parallel import check_same_choice
-
             check_same_choice(res.choice, run.tp)
         by = {p.name: p for p in run.plans}
         types = {n: by[n].menu.types[k] for n, k in res.choice.items()}
         sizes = {n: by[n].sizes[k] for n, k in res.choice.items()}
         outcome = None
         if self.measures and trained:
-            from .finalize import improve
-
             outcome = improve(run, choices, on_eval=self.on_search)
             types, sizes = outcome.types, outcome.sizes
             if run.tp is not None:  # every rank measured the same values: the same winner, checked
-                from ..distributed.parallel import check_same_choice
-
                 check_same_choice(dict(types), run.tp)  # types: an off-menu reference may have won
         faults.hit("bake")
         tensors = {}
@@ -418,8 +401,6 @@ def micro_backward(run: RunSetup, ids: torch.Tensor, router, acc_n: int, *, per_
     with routing.routed(run.student, router):  # backward inside: checkpoint recomputes route too
         with contextlib.nullcontext() if per_layer else layers.cached(buffers):
             if run.tp is not None:
-                from .tp_losses import tp_distill_terms
-
                 ce_m, kl_m = tp_distill_terms(run.student, run.teacher, ids, run.tp,
                                               chunk_tokens=cfg.loss_chunk_size, teacher_device=run.teacher_device)
             else:
@@ -432,8 +413,6 @@ def micro_backward(run: RunSetup, ids: torch.Tensor, router, acc_n: int, *, per_
 def _devices(cfg: TrainConfig, tp) -> list[torch.device]:
     """The devices of this process: ``--device_map``'s list, or one device (a TP rank's own)."""
     if cfg.device_map:
-        from ..distributed.device_map import parse_device_map
-
         return [resolve_device(d) for d in parse_device_map(cfg.device_map)]
     spec = cfg.device
     if tp is not None and spec.startswith("cuda"):
@@ -446,8 +425,6 @@ def _devices(cfg: TrainConfig, tp) -> list[torch.device]:
 
 def _reload_curvature(run, sens) -> None:
     """A tensor-parallel rank after rank 0: the curvature rank 0 stored, off-menu rungs included."""
-    from .sensitivity import load_stored
-
     stored = load_stored(sens.path, sens.key) if sens.path is not None and sens.key is not None else None
     if stored is not None and stored[1] is not None:
         sens.curvature = run.curvature = stored[1]
@@ -497,8 +474,6 @@ def check_vocab(tokens: torch.Tensor, model, path: Path) -> None:
 
 def check_space(cfg: TrainConfig, plans) -> None:
     """Fail now, not hours later, if the candidate cache or the outputs cannot fit on disk."""
-    from ..candidates.cache import default_root
-
     cache_need = sum(sum(p.sizes) for p in plans)  # every candidate (cached ones counted too)
     n_gates = sum(len(p.sizes) for p in plans)
     out_need = (1 << 20) + 64 * n_gates  # journal (gates + Adam moments) + result .pt + JSON
