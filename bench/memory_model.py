@@ -60,7 +60,7 @@ def flags(d: Path, out: Path, seq: int, extra: list[str]) -> list[str]:
 def mode_flags(mode: str) -> list[str]:
     """lazy, ckpt, q8 as named; without `search` the run stops after the bake (no guarantee, no
     search), with it the guarantee and a 4-evaluation search measure on 2 held-aside sequences
-    (their own phase after training: memory_phases.py)."""
+    (their own phase after training: memory/phases.py)."""
     return ((["--lazy"] if "lazy" in mode else []) + (["--gradient_checkpointing"] if "ckpt" in mode else [])
             + (["--teacher_quant", "Q8_0"] if "q8" in mode else [])
             + (["--search_sequences", "2", "--search_evals", "4"] if "search" in mode
