@@ -56,12 +56,13 @@ def main() -> None:
     a = ap.parse_args()
     import torch
 
-    from voodoo_quant import ggml
-    from voodoo_quant.modeling import load_model
+    from voodoo_quant.core import ggml
+    from voodoo_quant.model.modeling import load_model
     from voodoo_quant.training.config import TrainConfig
     from voodoo_quant.training.objective import HeldAside
-    from voodoo_quant.training.setup import (candidate_sources, imatrix_vectors, load_imatrix, load_tokens, plan_run,
-                                             reader_weights)
+    from voodoo_quant.training.setup import (
+        candidate_sources, imatrix_vectors, load_imatrix, load_tokens, plan_run, reader_weights,
+    )
 
     table, menus = _table(a.measured)
     if a.fisher:

@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from voodoo_quant.errors import VoodooError  # noqa: E402
+from voodoo_quant.core.errors import VoodooError  # noqa: E402
 from voodoo_quant.tools import bench_models as bm  # noqa: E402
 
 

@@ -28,8 +28,8 @@ import numpy as np
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from voodoo_quant import ggml, paths  # noqa: E402
-from voodoo_quant import qtypes as qt  # noqa: E402
+from voodoo_quant.core import ggml, paths  # noqa: E402
+from voodoo_quant.core import qtypes as qt  # noqa: E402
 
 # llama-quantize takes a file type; its IQ2_S file type writes IQ2_XS tensors, the ggml IQ2_S
 # type is the default of file type IQ2_M (src/llama-quant.cpp llama_ftype_get_default_type).

@@ -40,8 +40,8 @@ def matrix(rows: int, cols: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def measure(shapes, types=TYPES) -> dict:
-    from voodoo_quant import ggml
-    from voodoo_quant import qtypes as qt
+    from voodoo_quant.core import ggml
+    from voodoo_quant.core import qtypes as qt
 
     lib = ggml.lib()
     init = {}
@@ -68,9 +68,9 @@ def project_27b(rates: dict[str, dict[str, float]]) -> dict:
     """Σ over the 27B config's selectable tensors of weights × the measured rate of each menu type
     (the 17408-wide rate for 17408-wide rows, the 4096×4096 one otherwise)."""
     from voodoo_quant.arch import adapter_for
-    from voodoo_quant.lazyload import text_skeleton
-    from voodoo_quant.menus import MenuConfig
-    from voodoo_quant.student import plan_model, selectable_weights
+    from voodoo_quant.model.lazyload import text_skeleton
+    from voodoo_quant.selection.menus import MenuConfig
+    from voodoo_quant.student.build import plan_model, selectable_weights
 
     model = text_skeleton(CONFIG_27B)
     adapter = adapter_for(model.config)

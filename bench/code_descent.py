@@ -109,7 +109,7 @@ def main() -> None:
     import torch
 
     from fixed_assignment import FixedAssignment, mean_se
-    from voodoo_quant.hessian_store import load_hessians
+    from voodoo_quant.candidates.hessian_store import load_hessians
     from voodoo_quant.quants import decompose, expand
     from voodoo_quant.quants.affine import Affine
 

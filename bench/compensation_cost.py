@@ -66,8 +66,9 @@ def problem(rows: int, n: int, seed: int = 0):
 def main() -> None:
     import torch
 
-    from voodoo_quant import compensate, ggml
-    from voodoo_quant.compensate import Compensation, compensated_matrix
+    from voodoo_quant.candidates import compensate
+    from voodoo_quant.core import ggml
+    from voodoo_quant.candidates.compensate import Compensation, compensated_matrix
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", action="append", help="ROWSxN (GGUF layout); repeatable", default=None)

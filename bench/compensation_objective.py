@@ -19,10 +19,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from voodoo_quant import ggml  # noqa: E402
-from voodoo_quant.compensate import Compensation, compensated_matrix  # noqa: E402
-from voodoo_quant.hessian_store import load_hessians  # noqa: E402
-from voodoo_quant.imatrix import load as load_imatrix  # noqa: E402
+from voodoo_quant.core import ggml  # noqa: E402
+from voodoo_quant.candidates.compensate import Compensation, compensated_matrix  # noqa: E402
+from voodoo_quant.candidates.hessian_store import load_hessians  # noqa: E402
+from voodoo_quant.gguf.imatrix import load as load_imatrix  # noqa: E402
 
 WIDE = ("Q6_K", "Q5_K", "Q4_K", "Q3_K", "Q2_K", "IQ4_XS", "Q8_0", "Q5_0")  # ffn_down: 1536-wide rows
 NARROW = ("Q8_0", "Q5_0", "Q4_0", "IQ4_NL")  # 576-wide rows: what the fallbacks leave

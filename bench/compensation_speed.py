@@ -17,8 +17,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from voodoo_quant import compensate  # noqa: E402
-from voodoo_quant.compensate import Compensation, compensated_matrix  # noqa: E402
+from voodoo_quant.candidates import compensate  # noqa: E402
+from voodoo_quant.candidates.compensate import Compensation, compensated_matrix  # noqa: E402
 
 MENU = ("Q8_0", "Q6_K", "Q5_K", "Q5_0", "Q4_K", "IQ4_XS", "IQ4_NL", "Q3_K", "IQ3_S", "IQ2_S")
 NARROW = ("Q8_0", "Q5_1", "Q5_0", "IQ4_NL", "Q4_0")  # what llama-quantize's fallbacks leave a 576-wide row

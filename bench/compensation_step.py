@@ -20,10 +20,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from voodoo_quant import compensate, ggml  # noqa: E402
-from voodoo_quant.compensate import Compensation, compensated_matrix  # noqa: E402
-from voodoo_quant.hessian_store import load_hessians  # noqa: E402
-from voodoo_quant.imatrix import load as load_imatrix  # noqa: E402
+from voodoo_quant.candidates import compensate
+from voodoo_quant.candidates.compensate import Compensation, compensated_matrix  # noqa: E402
+from voodoo_quant.candidates.hessian_store import load_hessians  # noqa: E402
+from voodoo_quant.core import ggml  # noqa: E402
+from voodoo_quant.gguf.imatrix import load as load_imatrix  # noqa: E402
 
 TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS",
          "IQ3_S", "IQ4_XS")

@@ -67,7 +67,7 @@ class FixedAssignment:
         import numpy as np
         import torch
 
-        from voodoo_quant import ggml
+        from voodoo_quant.core import ggml
 
         lib = ggml.lib()
         tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}

@@ -42,8 +42,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None, help="also write the report here")
     a = ap.parse_args()
 
-    from voodoo_quant import fileio, layers
-    from voodoo_quant.modeling import load_config
+    from voodoo_quant.core import fileio
+    from voodoo_quant.student import layers
+    from voodoo_quant.model.modeling import load_config
     from voodoo_quant.training import losses
     from voodoo_quant.training.config import TrainConfig
     from voodoo_quant.training.trainer import Trainer

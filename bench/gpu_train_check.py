@@ -1,7 +1,7 @@
 """One `voodoo train` measured beside the memory model and a plain forward+backward.
 
 For a model dir and a tokens dir: the dry run's predicted peak device memory (from the config
-alone, :mod:`voodoo_quant.memory`), then a short `voodoo train` (its per-step log gives tokens/s
+alone, :mod:`voodoo_quant.memory.plan`), then a short `voodoo train` (its per-step log gives tokens/s
 and the measured peak: ``torch.cuda.max_memory_allocated`` on a GPU, peak RSS on CPU), then a
 plain training step of the same HF model at the same dtype / seq_len / checkpointing (forward,
 cross-entropy, backward into the weights), timed the same way. Prints one summary and writes
@@ -47,7 +47,7 @@ def train_flags(a) -> list[str]:
 
 def predict(flags: list[str]):
     from voodoo_quant.cli.tp import parse_train_flags
-    from voodoo_quant.memory import dry_run
+    from voodoo_quant.memory.plan import dry_run
 
     return dry_run(parse_train_flags(flags)).memory
 

@@ -34,12 +34,12 @@ sys.path.insert(0, str(ROOT / "bench"))
 from memory_model import _CHILD, predict  # noqa: E402
 
 # The Hessian collection alone: the model loaded as `voodoo train` loads it (whole, or skeletons
-# under --lazy), planned, and its Hessians collected and written (training/hessians.ensure).
+# under --lazy), planned, and its Hessians collected and written (training/compensation.ensure).
 _COLLECT = """
 import sys
 from voodoo_quant.cli.tp import parse_train_flags
-from voodoo_quant.provenance import model_weights_sha256
-from voodoo_quant.training.hessians import ensure
+from voodoo_quant.training.provenance import model_weights_sha256
+from voodoo_quant.training.compensation import ensure
 from voodoo_quant.training.models import TORCH_DTYPES, load_models
 from voodoo_quant.training.setup import load_tokens, plan_run
 cfg = parse_train_flags(sys.argv[2:])

@@ -20,8 +20,8 @@ import time
 import numpy as np
 import torch
 
-from voodoo_quant import ggml
-from voodoo_quant import qtypes as qt
+from voodoo_quant.core import ggml
+from voodoo_quant.core import qtypes as qt
 from voodoo_quant.quants import PackedTensor
 from voodoo_quant.quants.random_blocks import random_blocks
 

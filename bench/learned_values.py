@@ -59,9 +59,9 @@ def main() -> None:
     import torch
 
     from fixed_assignment import FixedAssignment, mean_se
-    from voodoo_quant import ggml
-    from voodoo_quant.compensate import DEFAULT_DAMP, compensated_matrix, compensations
-    from voodoo_quant.hessian_store import load_hessians
+    from voodoo_quant.core import ggml
+    from voodoo_quant.candidates.compensate import DEFAULT_DAMP, compensated_matrix, compensations
+    from voodoo_quant.candidates.hessian_store import load_hessians
     from voodoo_quant.quants import decompose, expand
 
     torch.manual_seed(a.seed)

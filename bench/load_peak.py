@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 _CHILD = """
 import copy, sys, torch
-from voodoo_quant.modeling import load_model
+from voodoo_quant.model.modeling import load_model
 from voodoo_quant.training.config import TrainConfig
 from voodoo_quant.training.models import TORCH_DTYPES, load_models
 d, dtype, how = sys.argv[1], sys.argv[2], sys.argv[3]

@@ -5,7 +5,7 @@ The reference recipe's largest flag-dependent term is the loss chunk: ``--loss_c
 ``training.tp_losses._tp_chunk`` (the rank's CE and KL, as ``tp_distill_terms`` runs it) goes forward and
 backward on the CPU in a one-process gloo group at the recipe's per-rank vocabulary; the peak RSS
 above what was held before (the hidden states and both heads, which are other terms of the model)
-is compared with :func:`voodoo_quant.memory.loss_chunk_bytes`. The hidden size does not enter the
+is compared with :func:`voodoo_quant.memory.plan.loss_chunk_bytes`. The hidden size does not enter the
 term, so it defaults to 256: the CPU's bf16 matmuls at 5120 take minutes, and a CPU linear over a
 62080 x 5120 float32 head makes a reordered copy of the head (1.27 GB) that would hide the chunk.
 
@@ -36,7 +36,7 @@ def child(tokens: int, vocab: int, hidden: int, dtype: str) -> None:
     import torch.distributed as dist
     from torch.utils.checkpoint import checkpoint
 
-    from voodoo_quant.parallel import TPContext
+    from voodoo_quant.distributed.parallel import TPContext
     from voodoo_quant.training.tp_losses import _tp_chunk
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -55,7 +55,7 @@ def child(tokens: int, vocab: int, hidden: int, dtype: str) -> None:
     (ce + kl).backward()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print("LOSS_PEAK", peak - before, flush=True)
-    from voodoo_quant.parallel import leave
+    from voodoo_quant.distributed.parallel import leave
 
     leave()  # meet, tear down, exit without the interpreter's teardown (gloo can abort there)
 
@@ -71,7 +71,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
-    from voodoo_quant.memory import loss_chunk_bytes
+    from voodoo_quant.memory.plan import loss_chunk_bytes
 
     rows = []
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2"}

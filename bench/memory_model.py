@@ -2,7 +2,7 @@
 
 For each size a random Qwen3.5-shaped checkpoint (hybrid Gated DeltaNet + full attention) is saved
 to a temp dir with a random tokens file; `voodoo train` runs a few steps in a child process that
-reports its own peak RSS (``VmHWM``) at exit, and :func:`voodoo_quant.memory.dry_run` predicts
+reports its own peak RSS (``VmHWM``) at exit, and :func:`voodoo_quant.memory.plan.dry_run` predicts
 the same run's CPU peak from the config alone. On CPU device memory and host memory are one RAM,
 so the prediction compared is :attr:`MemoryPlan.cpu_peak`. Printed: predicted, measured, error.
 
@@ -60,7 +60,7 @@ def flags(d: Path, out: Path, seq: int, extra: list[str]) -> list[str]:
 def mode_flags(mode: str) -> list[str]:
     """lazy, ckpt, q8 as named; without `search` the run stops after the bake (no guarantee, no
     search), with it the guarantee and a 4-evaluation search measure on 2 held-aside sequences
-    (their own phase after training: memory_phases.py)."""
+    (their own phase after training: memory/phases.py)."""
     return ((["--lazy"] if "lazy" in mode else []) + (["--gradient_checkpointing"] if "ckpt" in mode else [])
             + (["--teacher_quant", "Q8_0"] if "q8" in mode else [])
             + (["--search_sequences", "2", "--search_evals", "4"] if "search" in mode
@@ -69,7 +69,7 @@ def mode_flags(mode: str) -> list[str]:
 
 def predict(argv: list[str], show: bool = False) -> float:
     from voodoo_quant.cli.tp import parse_train_flags
-    from voodoo_quant.memory import dry_run
+    from voodoo_quant.memory.plan import dry_run
 
     cfg = parse_train_flags(argv[1:])
     mem = dry_run(cfg).memory

@@ -47,7 +47,7 @@ import quality_report as report  # noqa: E402
 import quality_rows as store  # noqa: E402
 import quality_texts as texts_mod  # noqa: E402
 
-from voodoo_quant.errors import VoodooError  # noqa: E402
+from voodoo_quant.core.errors import VoodooError  # noqa: E402
 from voodoo_quant.tools.manifest import digest  # noqa: E402
 from voodoo_quant.tools.variant import Variant  # noqa: E402
 from voodoo_quant.training.config import STOCK_REFERENCES  # noqa: E402
@@ -95,7 +95,7 @@ class BenchConfig:
     keep_files: bool = False
 
     def __post_init__(self) -> None:
-        from voodoo_quant import qtypes as qt
+        from voodoo_quant.core import qtypes as qt
         from voodoo_quant.tools.bench_models import BenchModelsConfig
         from voodoo_quant.tools.quantize import default_model_name
 
@@ -156,7 +156,7 @@ class Item:
 
 def plan(cfg: BenchConfig, sizes: tuple[int, ...]) -> list[Item]:
     """Every file of the benchmark, in the order it is made (the module docstring)."""
-    from voodoo_quant import qtypes as qt
+    from voodoo_quant.core import qtypes as qt
 
     s0, seed0 = cfg.steps[0], cfg.seeds[0]
     items = [Item("stock", FLOOR)]
@@ -317,7 +317,7 @@ class Bench:
 
     def base(self, ladder, text: str) -> tuple[Path, float]:
         """The reference's log-probs on an eval text: once per machine (kept under work/eval)."""
-        from voodoo_quant import fileio
+        from voodoo_quant.core import fileio
         from voodoo_quant.tools.evaluate import kld_base
 
         if text not in self.bases:

@@ -315,7 +315,7 @@ def plot(rows: Sequence[dict], out: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from voodoo_quant import fileio
+    from voodoo_quant.core import fileio
 
     by = groups(latest(rows))
     calib = next(iter(by))[0]
@@ -358,7 +358,7 @@ def plot(rows: Sequence[dict], out: Path) -> Path:
 
 def write(rows: Sequence[dict], costs: Sequence[dict], md: Path, png: Path) -> Path:
     """The Markdown report and its plot, beside each other."""
-    from voodoo_quant import fileio
+    from voodoo_quant.core import fileio
 
     plot(rows, png)
     return fileio.write_text(md, markdown(rows, costs, png.name))

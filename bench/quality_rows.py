@@ -41,7 +41,7 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
 
 
 def append_rows(path: Path, rows: Iterable[dict[str, Any]]) -> None:
-    from voodoo_quant import fileio
+    from voodoo_quant.core import fileio
 
     new = "".join(json.dumps(r, sort_keys=True, ensure_ascii=False) + "\n" for r in rows)
     if not new:

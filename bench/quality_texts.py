@@ -128,7 +128,7 @@ def build_texts(domains: dict[str, Domain], calib: tuple[str, ...], out_dir: Pat
                 piece_chars: int = 4000) -> Texts:
     """Write the calibration text of the `calib` domains and one eval text per domain of
     `domains` into `out_dir` (rewritten only when their content changes)."""
-    from voodoo_quant import fileio
+    from voodoo_quant.core import fileio
 
     bad = [c for c in calib if c not in domains]
     if bad or not calib:

@@ -44,7 +44,7 @@ def rebuild_config(out: Path, size: int, seed: int, src: Path, work: Path, outpu
     """The train config of a bench run at `size`, writing into `work`, with the run at `src`'s
     Hessians and sensitivity table copied over (reused, not recomputed: train checks their keys)."""
     from voodoo_quant.cli.train import build_config
-    from voodoo_quant.hessian_store import FILE as HESSIANS_FILE
+    from voodoo_quant.candidates.hessian_store import FILE as HESSIANS_FILE
     from voodoo_quant.training.sensitivity import TABLE_NAME
 
     settings = json.loads((out / "settings.json").read_text())

@@ -51,7 +51,7 @@ def make_model(d: Path, a: argparse.Namespace) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from voodoo_quant.modeling import load_tokenizer
+    from voodoo_quant.model.modeling import load_tokenizer
     from voodoo_quant.tools.embedded import smollm2_gguf_path
 
     torch.manual_seed(0)
@@ -68,7 +68,7 @@ def make_model(d: Path, a: argparse.Namespace) -> Path:
 def make_tokens(d: Path, vocab: int, seq_len: int, n: int) -> Path:
     import torch
 
-    from voodoo_quant import fileio
+    from voodoo_quant.core import fileio
 
     g = torch.Generator().manual_seed(0)
     return fileio.torch_save(d / "data" / "train_tokens.pt", torch.randint(0, vocab, (n, seq_len), generator=g))
@@ -139,7 +139,7 @@ def plain_step_times(hf: Path, work: Path, a: argparse.Namespace) -> list[float]
     """Seconds of each plain step: float weights requiring grad, same loss, same batches."""
     import torch
 
-    from voodoo_quant.modeling import load_model
+    from voodoo_quant.model.modeling import load_model
     from voodoo_quant.tools.data import load_tokens
     from voodoo_quant.training.config import TrainConfig
     from voodoo_quant.training.losses import distill_terms
@@ -178,7 +178,7 @@ def main() -> None:
     ap.add_argument("--skip_cache", action="store_true", help="skip part 1 (bench/speed_cache.py)")
     ap.add_argument("--keep", action="store_true", help="keep the work dir")
     a = ap.parse_args()
-    from voodoo_quant import qtypes as qt
+    from voodoo_quant.core import qtypes as qt
 
     a.menu = [qt.get(t).name for t in a.menu]
 
@@ -192,7 +192,7 @@ def main() -> None:
     os.environ["VOODOO_CACHE_DIR"] = str(work / "cache")  # fresh candidate cache, shared with the children
     try:
         hf = a.model or make_model(work, a)
-        from voodoo_quant.modeling import load_config
+        from voodoo_quant.model.modeling import load_config
 
         vocab = load_config(hf).vocab_size if a.model else a.vocab
         make_tokens(work, vocab, a.seq_len, max(8, (a.steps + 1) * a.batch_size))

@@ -6,7 +6,7 @@ One run, side by side, on the same tensors, types and imatrix:
   llama.cpp's own converter) once per type, with ``--token-embedding-type f32`` so only the
   block tensors are quantized; its model load/write overhead is measured by an F32 → F32 copy
   run and reported separately;
-- ours: :func:`voodoo_quant.precache.build_all` over the same block tensors with 1 and 2 worker
+- ours: :func:`voodoo_quant.candidates.precache.build_all` over the same block tensors with 1 and 2 worker
   processes (fresh caches), then a second run that finds everything cached.
 
 Printed as ratios (and the seconds they come from). Usage:
@@ -29,19 +29,20 @@ import numpy as np
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from voodoo_quant import imatrix, paths  # noqa: E402
-from voodoo_quant import qtypes as qt  # noqa: E402
-from voodoo_quant.cache import CandidateCache  # noqa: E402
-from voodoo_quant.imatrix import Entry, Imatrix  # noqa: E402
-from voodoo_quant.precache import CandidateJob, build_all  # noqa: E402
+from voodoo_quant.candidates.cache import CandidateCache  # noqa: E402
+from voodoo_quant.candidates.precache import CandidateJob, build_all  # noqa: E402
+from voodoo_quant.core import paths  # noqa: E402
+from voodoo_quant.core import qtypes as qt  # noqa: E402
+from voodoo_quant.gguf import imatrix
+from voodoo_quant.gguf.imatrix import Entry, Imatrix  # noqa: E402
 
 
 def make_model(d: Path, hidden: int, layers: int) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from voodoo_quant.converter import convert
-    from voodoo_quant.modeling import load_tokenizer
+    from voodoo_quant.gguf.converter import convert
+    from voodoo_quant.model.modeling import load_tokenizer
     from voodoo_quant.tools.embedded import smollm2_gguf_path
 
     torch.manual_seed(0)

@@ -114,8 +114,9 @@ def main() -> None:
                     help="also time each run's phases (mixing, student and teacher forwards, loss; medians)")
     a = ap.parse_args()
 
-    from voodoo_quant import fileio, layers
-    from voodoo_quant.modeling import load_config, load_model
+    from voodoo_quant.core import fileio
+    from voodoo_quant.student import layers
+    from voodoo_quant.model.modeling import load_config, load_model
     from voodoo_quant.training.config import TrainConfig
     from voodoo_quant.training.losses import distill_terms
     from voodoo_quant.training.teacher_cache import wrap_teacher
@@ -159,7 +160,7 @@ def main() -> None:
             logits = plain(input_ids=ids).logits[:, :-1]
             torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)).backward()
 
-    from voodoo_quant.compact import CompactCandidates
+    from voodoo_quant.candidates.compact import CompactCandidates
 
     codes = {mq: mq._get for mq in run.mixed.values() if isinstance(mq._get, CompactCandidates)}
     stacks = {mq: torch.stack([cc(k) for k in range(mq.k)]) for mq, cc in codes.items()}  # the same values

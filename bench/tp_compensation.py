@@ -34,8 +34,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from voodoo_quant import ggml  # noqa: E402
-from voodoo_quant.compensate import Compensation, quantize_compensated  # noqa: E402
+from voodoo_quant.core import ggml  # noqa: E402
+from voodoo_quant.candidates.compensate import Compensation, quantize_compensated  # noqa: E402
 
 
 def tokens(tok, n: int, T: int) -> torch.Tensor:
@@ -99,8 +99,8 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=2)
     a = ap.parse_args()
     from voodoo_quant.arch import adapter_for
-    from voodoo_quant.modeling import load_model, load_tokenizer
-    from voodoo_quant.parallel import decoder_layers
+    from voodoo_quant.model.modeling import load_model, load_tokenizer
+    from voodoo_quant.distributed.parallel import decoder_layers
     from voodoo_quant.tools.embedded import smollm2_gguf_path
 
     torch.manual_seed(0)

@@ -60,7 +60,7 @@ def rank_main(d: Path, out: Path, mode: str, seq: int, dtype: str) -> None:
         def loaded(cfg, base, tp=None):
             if tp is not None and not tp.is_main:
                 return base
-            from voodoo_quant.modeling import load_model
+            from voodoo_quant.model.modeling import load_model
 
             return load_model(cfg.model, dtype=torch.float32)
         trainer.sensitivity_model = loaded
@@ -75,7 +75,7 @@ def rank_main(d: Path, out: Path, mode: str, seq: int, dtype: str) -> None:
     after_step = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     rank = dist.get_rank()
     (out / f"{mode}-rank{rank}.json").write_text(json.dumps({"prepare": after_prepare, "step": after_step}))
-    from voodoo_quant.parallel import leave
+    from voodoo_quant.distributed.parallel import leave
 
     leave()  # meet, tear down, exit without the interpreter's teardown (gloo can abort there)
 

@@ -13,7 +13,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 @pytest.fixture(scope="session")
 def ggml_lib():
     """The process-wide libggml-base handle (IQ grids initialize once per process)."""
-    from voodoo_quant import ggml
+    from voodoo_quant.core import ggml
 
     return ggml.lib()
 
@@ -31,7 +31,7 @@ def vendored_gguf_quants():
     import sys
     import types
 
-    from voodoo_quant import paths
+    from voodoo_quant.core import paths
 
     name = "_voodoo_vendored_gguf"
     if name not in sys.modules:
@@ -47,7 +47,7 @@ def vendored_gguf_quants():
 @pytest.fixture(scope="session")
 def smollm2_tok_dir(tmp_path_factory):
     """The SmolLM2 tokenizer (from the embedded GGUF) saved as an HF dir: loads in ~1 s after."""
-    from voodoo_quant.modeling import load_tokenizer
+    from voodoo_quant.model.modeling import load_tokenizer
     from voodoo_quant.tools.embedded import smollm2_gguf_path
 
     d = tmp_path_factory.mktemp("smollm2_tok")
@@ -103,8 +103,8 @@ def synthetic_run_inputs():
         import numpy as np
         import torch
 
-        from voodoo_quant.imatrix import Entry, Imatrix
-        from voodoo_quant.layout import model_layouts
+        from voodoo_quant.gguf.imatrix import Entry, Imatrix
+        from voodoo_quant.gguf.layout import model_layouts
 
         (root / "data").mkdir(parents=True, exist_ok=True)
         g = torch.Generator().manual_seed(7)
@@ -122,7 +122,7 @@ def synthetic_run_inputs():
 @pytest.fixture(scope="session")
 def imatrix_llama256_gguf(tmp_path_factory, imatrix_llama256_hf_dir):
     """That model converted to an F32 GGUF by llama.cpp's own convert_hf_to_gguf.py."""
-    from voodoo_quant.converter import convert
+    from voodoo_quant.gguf.converter import convert
 
     return convert(imatrix_llama256_hf_dir, tmp_path_factory.mktemp("imatrix_gguf") / "tiny256-F32.gguf",
                    outtype="f32")
@@ -180,7 +180,7 @@ def tiny_llama_f32_gguf(tmp_path_factory, tiny_llama_hf_dir):
     import subprocess
     import sys
 
-    from voodoo_quant import paths
+    from voodoo_quant.core import paths
 
     out = tmp_path_factory.mktemp("tiny_gguf") / "tiny-llama-f32.gguf"
     p = subprocess.run([sys.executable, str(paths.convert_script()), str(tiny_llama_hf_dir), "--outtype", "f32",

@@ -3,7 +3,7 @@
 import pytest
 
 from voodoo_quant.api import VoodooConfig, VoodooQuantizer
-from voodoo_quant.errors import ConfigError
+from voodoo_quant.core.errors import ConfigError
 
 
 def test_facade_is_importable_from_the_package_root_and_cheap():
@@ -32,7 +32,7 @@ def test_quantize_loaded_model_and_save_gguf(tiny_llama_hf_dir, shakespeare_text
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from voodoo_quant.converter import vendored_gguf
+    from voodoo_quant.gguf.converter import vendored_gguf
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_hf_dir, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(tiny_llama_hf_dir)
@@ -61,7 +61,7 @@ def test_model_dir_is_saved_whole_and_a_half_one_is_not_reused(tiny_llama_hf_dir
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from voodoo_quant.modeling import hf_dir_missing
+    from voodoo_quant.model.modeling import hf_dir_missing
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_hf_dir, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(tiny_llama_hf_dir)
@@ -103,7 +103,7 @@ def test_hf_dir_missing_names_a_missing_shard(tiny_llama_hf_dir, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from voodoo_quant.modeling import hf_dir_missing
+    from voodoo_quant.model.modeling import hf_dir_missing
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_hf_dir, dtype=torch.float32)
     d = tmp_path / "sharded"
@@ -116,7 +116,7 @@ def test_hf_dir_missing_names_a_missing_shard(tiny_llama_hf_dir, tmp_path):
 
 
 def test_write_dir_leaves_nothing_when_the_writer_fails(tmp_path):
-    from voodoo_quant import fileio
+    from voodoo_quant.core import fileio
 
     def fails(tmp):
         (tmp / "config.json").write_text("{}")

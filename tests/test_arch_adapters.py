@@ -55,7 +55,7 @@ def test_converter_layout_finds_a_transposition_and_lfm2_embedding_is_not_one(tm
     import torch
     import transformers as T
 
-    from voodoo_quant.layout import TensorLayout, _factor, model_layouts
+    from voodoo_quant.gguf.layout import TensorLayout, _factor, model_layouts
 
     w = np.arange(15, dtype=np.int64).reshape(3, 5)
     fac = _factor(w.T.reshape(-1), (3, 5), (5, 3))

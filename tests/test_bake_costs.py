@@ -5,9 +5,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from voodoo_quant.budget import Budget
-from voodoo_quant.errors import ConfigError
-from voodoo_quant.menus import is_pinned, parse_upgrades
+from voodoo_quant.core.errors import ConfigError
+from voodoo_quant.selection.budget import Budget
+from voodoo_quant.selection.menus import is_pinned, parse_upgrades
 from voodoo_quant.training.bake import bake
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from voodoo_quant.errors import ConfigError, CorruptFileError
+from voodoo_quant.core.errors import ConfigError, CorruptFileError
 from voodoo_quant.tools import bench_models as bm
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -113,7 +113,7 @@ def test_a_verified_file_is_kept_and_a_damaged_one_rebuilt(tmp_path):
 
 
 def test_killed_mid_assembly_leaves_no_final_file(tmp_path):
-    """SIGKILL after the bytes are written, before the rename (VOODOO_FAULT_AT, voodoo_quant/faults.py)."""
+    """SIGKILL after the bytes are written, before the rename (VOODOO_FAULT_AT, voodoo_quant/core/faults.py)."""
     site = tmp_path / "site"
     chunks = _fake_parts(site, 3)
     whole = b"".join(chunks)

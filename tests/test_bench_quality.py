@@ -282,7 +282,7 @@ def test_bench_stops_between_files_when_the_budget_is_spent(tiny_bench, tiny_lla
 
 
 def test_a_variant_overrides_train_settings_but_not_the_ladders():
-    from voodoo_quant.errors import ConfigError
+    from voodoo_quant.core.errors import ConfigError
     from voodoo_quant.tools.quantize import Variant
     from voodoo_quant.training.config import TrainConfig
 

@@ -4,10 +4,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from voodoo_quant import menus
-from voodoo_quant import qtypes as qt
-from voodoo_quant.budget import cheapest_for_row, make_budget
-from voodoo_quant.errors import ConfigError
+from voodoo_quant.core import qtypes as qt
+from voodoo_quant.core.errors import ConfigError
+from voodoo_quant.selection import menus
+from voodoo_quant.selection.budget import cheapest_for_row, make_budget
 
 # SmolLM2-135M's selectable tensors (rows, n_per_row): the tied embedding, then 30 layers of
 # q, k, v, o, gate, up (576-wide rows) and down (1536-wide rows).

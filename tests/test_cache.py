@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from voodoo_quant import ggml
-from voodoo_quant.cache import META_FILE, CandidateCache, candidate, lib_version, matrix_hash
-from voodoo_quant.errors import QuantizationInputError
+from voodoo_quant.candidates.cache import META_FILE, CandidateCache, candidate, lib_version, matrix_hash
+from voodoo_quant.core import ggml
+from voodoo_quant.core.errors import QuantizationInputError
 
 
 @pytest.fixture

@@ -10,12 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from voodoo_quant import ggml, mixkernel, quants
-from voodoo_quant import qtypes as qt
-from voodoo_quant.compact import CompactCandidates
-from voodoo_quant.menus import Menu
+from voodoo_quant import quants
+from voodoo_quant.candidates import mixkernel
+from voodoo_quant.candidates.compact import CompactCandidates
+from voodoo_quant.core import ggml
+from voodoo_quant.core import qtypes as qt
 from voodoo_quant.quants.random_blocks import random_blocks
-from voodoo_quant.student import IdentityLayout, TensorPlan, build_mixed
+from voodoo_quant.selection.menus import Menu
+from voodoo_quant.student.build import IdentityLayout, TensorPlan, build_mixed
 
 pytestmark = pytest.mark.skipif(mixkernel.load() is None, reason=f"mixing kernel unavailable: {mixkernel.unavailable_reason()}")
 
@@ -173,7 +175,7 @@ def test_switched_off_by_the_environment_variable(monkeypatch):
     monkeypatch.setenv("VOODOO_MIX_KERNEL", "0")
     assert build_mixed(plan, blobs, lazy=False, dtype=torch.float32).stacked is not None
     monkeypatch.setenv("VOODOO_MIX_KERNEL", "2")
-    from voodoo_quant.errors import EnvironmentVarError
+    from voodoo_quant.core.errors import EnvironmentVarError
 
     with pytest.raises(EnvironmentVarError):
         mixkernel.load()

@@ -1,4 +1,4 @@
-"""Error compensation (voodoo_quant/compensate.py, training/hessians.py): the quantizer is handed
+"""Error compensation (voodoo_quant/candidates/compensate.py, training/hessians.py): the quantizer is handed
 W' instead of W, so that each block's rounding error is absorbed by the later columns.
 
 - W' lowers the layer-output error ‖(W − Ŵ)X‖² against plain quantization, for legacy, K- and
@@ -20,11 +20,13 @@ import numpy as np
 import pytest
 import torch
 
-from voodoo_quant import ggml
-from voodoo_quant.cache import FORMAT, CandidateCache
-from voodoo_quant.compensate import Compensation, QuantInputs, compensated_matrix, compensation_of, quantize_compensated
-from voodoo_quant.errors import CorruptFileError, QuantizationInputError
-from voodoo_quant.hessian_store import load_hessians, read_key, write_hessians
+from voodoo_quant.candidates.cache import FORMAT, CandidateCache
+from voodoo_quant.candidates.compensate import (
+    Compensation, QuantInputs, compensated_matrix, compensation_of, quantize_compensated,
+)
+from voodoo_quant.candidates.hessian_store import load_hessians, read_key, write_hessians
+from voodoo_quant.core import ggml
+from voodoo_quant.core.errors import CorruptFileError, QuantizationInputError
 
 
 def _problem(rows=64, n=512, tokens=4096, seed=0):
@@ -60,7 +62,7 @@ def test_q5_k_is_compensated_a_whole_superblock_at_a_time(seed, monkeypatch):
     """The "requant" sweep: Q5_K's sub-block scales are coded against its superblock's: a superblock quantized again after
     each sub-block moves those already fixed, and one step per superblock leaves the lower error
     (measured 0.90 and 0.96 of the 32-column steps here; 0.69-0.72 on SmolLM2's ffn_down)."""
-    from voodoo_quant import compensate
+    from voodoo_quant.candidates import compensate
 
     W, X, H, imx = _problem(seed=seed)
     assert "Q5_K" in compensate.WHOLE_SUPERBLOCK
@@ -127,7 +129,7 @@ def test_the_cache_keys_compensated_bytes_apart_and_plain_keys_are_unchanged():
 
 
 def test_cache_builds_the_compensated_bytes(tmp_path):
-    from voodoo_quant.precache import CandidateJob, build_all
+    from voodoo_quant.candidates.precache import CandidateJob, build_all
 
     W, _, H, imx = _problem(seed=5)
     c = Compensation(H, 0.1)
@@ -144,8 +146,8 @@ def test_cache_builds_the_compensated_bytes(tmp_path):
 def test_an_in_process_build_drops_the_factors_it_kept(tmp_path, monkeypatch):
     """The factors are kept for a tensor's next type; once a build in this process is over they
     are dropped, or a run with one quantization process would hold them through its training."""
-    from voodoo_quant import compensate
-    from voodoo_quant.precache import CandidateJob, build_all
+    from voodoo_quant.candidates import compensate
+    from voodoo_quant.candidates.precache import CandidateJob, build_all
 
     W, _, H, _ = _problem(rows=16, n=256, tokens=1024, seed=6)
     c = Compensation(H, 0.1)
@@ -219,7 +221,7 @@ def test_a_plans_hessian_is_read_at_its_one_linear():
 
 
 def test_collected_hessians_are_xtx_of_each_linear_input(tiny_llama_hf_dir):
-    from voodoo_quant.modeling import load_model
+    from voodoo_quant.model.modeling import load_model
     from voodoo_quant.training.config import TrainConfig
     from voodoo_quant.training.hessians import collect, collect_passes, reader
     from voodoo_quant.training.setup import plan_run
@@ -281,12 +283,12 @@ def trained_gptq(imatrix_llama256_hf_dir, synthetic_run_inputs, tmp_path_factory
 
 @pytest.mark.slow
 def test_gptq_run_exports_exactly_its_training_candidates(trained_gptq, tmp_path, monkeypatch):
-    from voodoo_quant import converter
-    from voodoo_quant.assignment import Assignment
-    from voodoo_quant.compensate import compensations
-    from voodoo_quant.imatrix import load
-    from voodoo_quant.modeling import load_model
-    from voodoo_quant.student import selectable_weights
+    from voodoo_quant.gguf import converter
+    from voodoo_quant.selection.assignment import Assignment
+    from voodoo_quant.candidates.compensate import compensations
+    from voodoo_quant.gguf.imatrix import load
+    from voodoo_quant.model.modeling import load_model
+    from voodoo_quant.student.build import selectable_weights
     from voodoo_quant.tools.export import ExportConfig, export
 
     root, d, tr, res = trained_gptq
@@ -303,7 +305,7 @@ def test_gptq_run_exports_exactly_its_training_candidates(trained_gptq, tmp_path
     assert not (tmp_path / "empty-cache").exists() or not any((tmp_path / "empty-cache").rglob("data.bin"))
     assert again.path.read_bytes() == out.path.read_bytes()
     # where the candidates are cached (the training machine), export reads them and computes nothing
-    from voodoo_quant import compensate
+    from voodoo_quant.candidates import compensate
 
     def boom(*a, **k):
         raise AssertionError("export recomputed a cached compensated candidate")
@@ -339,8 +341,8 @@ def test_gptq_run_exports_exactly_its_training_candidates(trained_gptq, tmp_path
 
 
 def test_export_refuses_a_changed_or_missing_hessians_file(trained_gptq, tmp_path):
-    from voodoo_quant.assignment import Assignment
-    from voodoo_quant.provenance import ProvenanceMismatchError, resolve_compensation
+    from voodoo_quant.selection.assignment import Assignment
+    from voodoo_quant.training.provenance import ProvenanceMismatchError, resolve_compensation
 
     root, d, tr, res = trained_gptq
     asg = Assignment.load(root / "run" / "assignment.json")
@@ -379,7 +381,7 @@ def test_a_finalize_records_the_compensation_its_candidates_had(gate_model_dir, 
 
 
 def test_auto_compensation_is_gptq_in_one_process():
-    from voodoo_quant.errors import ConfigError
+    from voodoo_quant.core.errors import ConfigError
     from voodoo_quant.training.config import TrainConfig
 
     assert TrainConfig(model="m", compression_ratio=0.6).error_compensation == "auto"
@@ -393,7 +395,7 @@ def test_auto_compensation_is_gptq_in_one_process():
 
 
 def test_a_tensors_factor_is_kept_for_its_next_type_and_changes_no_bit(monkeypatch):
-    from voodoo_quant import compensate
+    from voodoo_quant.candidates import compensate
 
     W, X, H, _ = _problem(rows=16, n=256, tokens=1024)
     c = Compensation(H)

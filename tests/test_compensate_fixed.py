@@ -19,10 +19,11 @@ import numpy as np
 import pytest
 import torch
 
-from voodoo_quant import compensate, ggml
-from voodoo_quant.cache import CandidateCache
-from voodoo_quant.compensate import Compensation, compensated_matrix, quantize_compensated
-from voodoo_quant.fixed_rounding import SWEEP_TYPES, FixedScales, supports
+from voodoo_quant.candidates import compensate
+from voodoo_quant.core import ggml
+from voodoo_quant.candidates.cache import CandidateCache
+from voodoo_quant.candidates.compensate import Compensation, compensated_matrix, quantize_compensated
+from voodoo_quant.candidates.fixed_rounding import SWEEP_TYPES, FixedScales, supports
 
 from test_compensate import _out_err, _problem
 
@@ -80,7 +81,7 @@ def test_the_fixed_sweep_is_no_worse_than_the_per_step_one(q):
 
 
 def test_sweeps_key_the_cache_apart_and_refuse_unknown_names():
-    from voodoo_quant.errors import QuantizationInputError
+    from voodoo_quant.core.errors import QuantizationInputError
 
     _, _, H, _ = _problem(rows=4, n=256, tokens=512, seed=11)
     assert Compensation(H, 0.1).digest != Compensation(H, 0.1, "requant").digest
@@ -89,7 +90,7 @@ def test_sweeps_key_the_cache_apart_and_refuse_unknown_names():
 
 
 def test_export_writes_the_recorded_bytes_or_refuses(tmp_path):
-    from voodoo_quant.provenance import ProvenanceMismatchError
+    from voodoo_quant.training.provenance import ProvenanceMismatchError
     from voodoo_quant.tools.export import candidate_bytes
 
     W, _, H, imx = _problem(rows=16, n=256, tokens=1024, seed=12)

@@ -20,17 +20,19 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from voodoo_quant import converter, paths, provenance
-from voodoo_quant import qtypes as qt
-from voodoo_quant.assignment import Assignment
 from voodoo_quant.cli.app import app
+from voodoo_quant.core import paths
+from voodoo_quant.core import qtypes as qt
+from voodoo_quant.gguf import converter
+from voodoo_quant.selection.assignment import Assignment
+from voodoo_quant.training import provenance
 
 MENU = ("Q8_0", "Q6_K", "Q4_K", "Q3_K", "Q2_K")  # K-quants: their bytes depend on the imatrix
 
 
 @pytest.fixture(scope="module")
 def trained(imatrix_llama256_hf_dir, synthetic_run_inputs, tmp_path_factory):
-    from voodoo_quant.imatrix import Entry, Imatrix
+    from voodoo_quant.gguf.imatrix import Entry, Imatrix
     from voodoo_quant.training.config import TrainConfig
     from voodoo_quant.training.trainer import Trainer
 
@@ -76,7 +78,7 @@ def test_training_records_what_produced_the_assignment(trained):
     asg = Assignment.load(root / "run" / "assignment.json")
     assert asg.format_version == 2 and not asg.missing_provenance()
     assert asg.imatrix == str((root / "imatrix.gguf").resolve())
-    from voodoo_quant.fileio import sha256_file
+    from voodoo_quant.core.fileio import sha256_file
 
     assert asg.imatrix_sha256 == sha256_file(root / "imatrix.gguf")
     assert asg.ggml_version == provenance.ggml_version()
@@ -88,10 +90,10 @@ def test_training_records_what_produced_the_assignment(trained):
 
 @pytest.mark.slow
 def test_exported_bytes_are_the_training_candidates_and_stock_llama_quantize(trained):
-    from voodoo_quant.cache import CandidateCache
-    from voodoo_quant.imatrix import load
-    from voodoo_quant.modeling import load_model
-    from voodoo_quant.student import selectable_weights
+    from voodoo_quant.candidates.cache import CandidateCache
+    from voodoo_quant.gguf.imatrix import load
+    from voodoo_quant.model.modeling import load_model
+    from voodoo_quant.student.build import selectable_weights
     from voodoo_quant.tools.export import ExportConfig, export
 
     root, d, tr, res = trained
@@ -135,7 +137,7 @@ def test_exported_bytes_are_the_training_candidates_and_stock_llama_quantize(tra
 
 def test_export_refuses_another_imatrix_naming_both(trained, tmp_path):
     root, d, _, res = trained
-    from voodoo_quant.fileio import sha256_file
+    from voodoo_quant.core.fileio import sha256_file
 
     line = _one_line_error(
         _export_cli("--model", d, "--assignment", root / "run" / "assignment.json", "--output_dir", tmp_path,
@@ -230,7 +232,7 @@ def test_budget_counts_the_tensors_no_candidate_covers(tmp_path):
     before the gates share it, and recorded in the assignment (export writes and checks them)."""
     import transformers as T
 
-    from voodoo_quant.budget import BASE_TYPE
+    from voodoo_quant.selection.budget import BASE_TYPE
     from voodoo_quant.training.config import TrainConfig
     from voodoo_quant.training.trainer import Trainer
 
@@ -247,7 +249,7 @@ def test_budget_counts_the_tensors_no_candidate_covers(tmp_path):
     exps = {f"blk.{b}.ffn_{k}_exps.weight" for b in range(2) for k in ("gate", "up", "down")}
     per = qt.tensor_bytes("Q8_0", (4, 256, 256))
     # The experts alone weigh more than 0.8 of the whole at Q8_0 allows the rest: refused, naming them.
-    from voodoo_quant.errors import ConfigError
+    from voodoo_quant.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match=f"6 tensor\\(s\\) no candidate covers, fixed at Q8_0: {6 * per:,} bytes"):
         Trainer(TrainConfig(compression_ratio=0.8, **kw)).prepare(build=False)

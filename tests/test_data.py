@@ -9,7 +9,7 @@ import torch
 from typer.testing import CliRunner
 
 from voodoo_quant.cli.app import app
-from voodoo_quant.modeling import load_tokenizer
+from voodoo_quant.model.modeling import load_tokenizer
 from voodoo_quant.tools.embedded import shakespeare_dir
 
 runner = CliRunner()

@@ -10,9 +10,9 @@ import torch.nn as nn
 from torch.nn.utils import parametrize
 
 from voodoo_quant.arch import adapter_for
-from voodoo_quant.layers import MixedQuant, attach
-from voodoo_quant.menus import MenuConfig
-from voodoo_quant.student import attach_all, build_mixed, candidate_bytes, plan_model, selectable_weights
+from voodoo_quant.selection.menus import MenuConfig
+from voodoo_quant.student.build import attach_all, build_mixed, candidate_bytes, plan_model, selectable_weights
+from voodoo_quant.student.layers import MixedQuant, attach
 
 MENU = MenuConfig(("Q8_0", "Q4_K", "Q2_K", "Q4_0"))
 META = torch.device("meta")
@@ -97,7 +97,7 @@ def test_journal_saves_cpu_and_loads_to_device(tmp_path):
 
 
 def test_sync_gate_grads_stays_on_the_gates_device():
-    from voodoo_quant.parallel import sync_gate_grads
+    from voodoo_quant.distributed.parallel import sync_gate_grads
 
     class _One:  # a 1-rank group: all_reduce is the identity, devices are what is checked
         rank, world, is_main = 0, 1, True

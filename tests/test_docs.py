@@ -28,7 +28,7 @@ from voodoo_quant.cli.app import app
 from voodoo_quant.cli.argv import declared_flags, normalize
 from voodoo_quant.cli.tp import parse_train_flags
 from voodoo_quant.cli.train import build_config
-from voodoo_quant.errors import VoodooError
+from voodoo_quant.core.errors import VoodooError
 
 try:  # newer typer parses with a vendored copy of click whose errors are not click's own
     from typer._click.exceptions import UsageError as _TyperUsageError

@@ -7,9 +7,9 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from voodoo_quant import paths
 from voodoo_quant.cli.app import app
-from voodoo_quant.errors import ConfigError
+from voodoo_quant.core import paths
+from voodoo_quant.core.errors import ConfigError
 from voodoo_quant.tools.doctor import DoctorConfig, run_doctor
 
 

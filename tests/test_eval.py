@@ -11,11 +11,12 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from voodoo_quant import paths
 from voodoo_quant.cli.app import app
+from voodoo_quant.core import paths
 from voodoo_quant.tools.embedded import shakespeare_dir
-from voodoo_quant.tools.evaluate import (GGUFEvalConfig, chunk_klds, chunk_stderr, evaluate_ggufs, evaluate_torch, median,
-                                         percentile, stderr)
+from voodoo_quant.tools.evaluate import (
+    GGUFEvalConfig, chunk_klds, chunk_stderr, evaluate_ggufs, evaluate_torch, median, percentile, stderr,
+)
 
 runner = CliRunner()
 

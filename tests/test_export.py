@@ -16,10 +16,12 @@ import subprocess
 import numpy as np
 import pytest
 
-from voodoo_quant import converter, paths, provenance
-from voodoo_quant import qtypes as qt
-from voodoo_quant.assignment import Assignment, TensorChoice
-from voodoo_quant.layout import model_layouts
+from voodoo_quant.core import paths
+from voodoo_quant.core import qtypes as qt
+from voodoo_quant.gguf import converter
+from voodoo_quant.gguf.layout import model_layouts
+from voodoo_quant.selection.assignment import Assignment, TensorChoice
+from voodoo_quant.training import provenance
 
 ARCHS = ("llama", "qwen2", "qwen3", "qwen3_5", "lfm2")
 # Cheap-to-initialize types (IQ2/IQ1 grids cost seconds per process), with and without imatrix.
@@ -57,7 +59,7 @@ def _build(arch: str, out, tok_dir):
 
 @pytest.fixture(scope="module", params=ARCHS)
 def exported(request, tmp_path_factory, smollm2_tok_dir):
-    from voodoo_quant.imatrix import Entry, Imatrix
+    from voodoo_quant.gguf.imatrix import Entry, Imatrix
     from voodoo_quant.tools.export import ExportConfig, export
 
     arch = request.param
@@ -83,7 +85,7 @@ def exported(request, tmp_path_factory, smollm2_tok_dir):
 
 
 def test_sizes_without_a_badge_are_named_by_their_number(tmp_path):
-    from voodoo_quant.errors import ConfigError
+    from voodoo_quant.core.errors import ConfigError
     from voodoo_quant.tools.export import ExportConfig, canonical_name
 
     assert canonical_name("M", 45) == "M.Voodoo45_IQ2_M.gguf"
@@ -173,7 +175,7 @@ def test_perplexity_llama_cpp_equals_torch(exported, shakespeare_text_file):
     import torch
     import transformers as T
 
-    from voodoo_quant import ggml
+    from voodoo_quant.core import ggml
 
     arch, d, layouts, asg, res, root = exported
     text = shakespeare_text_file.read_text(encoding="utf-8")[:3000]
@@ -213,7 +215,7 @@ def test_quantizable_tensors_off_the_assignment_are_written_as_stock_base_type(t
     import torch
     import transformers as T
 
-    from voodoo_quant.imatrix import Entry, Imatrix
+    from voodoo_quant.gguf.imatrix import Entry, Imatrix
     from voodoo_quant.tools.export import BASE_TYPE, ExportConfig, export
 
     torch.manual_seed(0)

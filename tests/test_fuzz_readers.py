@@ -16,10 +16,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from voodoo_quant import fileio, imatrix
-from voodoo_quant.assignment import Assignment, TensorChoice
-from voodoo_quant.cache import CandidateCache
-from voodoo_quant.errors import ConfigError, CorruptFileError, VoodooError
+from voodoo_quant.candidates.cache import CandidateCache
+from voodoo_quant.core import fileio
+from voodoo_quant.core.errors import ConfigError, CorruptFileError, VoodooError
+from voodoo_quant.gguf import imatrix
+from voodoo_quant.selection.assignment import Assignment, TensorChoice
 from voodoo_quant.training import journal
 
 FUZZ = settings(max_examples=50, deadline=None, derandomize=True,
@@ -173,7 +174,7 @@ def test_fuzz_assignment_json(tmp_path, data):
 # -- GGUF model files (the header reader used before handing a GGUF to llama.cpp) -----------------
 @pytest.fixture(scope="module")
 def small_gguf(tmp_path_factory):
-    from voodoo_quant import converter
+    from voodoo_quant.gguf import converter
 
     gguf = converter.vendored_gguf()
     p = tmp_path_factory.mktemp("g") / "m.gguf"
@@ -210,7 +211,7 @@ def test_crafted_imatrix_headers_are_rejected_cleanly(tmp_path, case):
     """Hostile headers random flips rarely reach: each must be a CorruptFileError, not a crash."""
     import struct
 
-    from voodoo_quant.imatrix import _kv_u32, _str
+    from voodoo_quant.gguf.imatrix import _kv_u32, _str
 
     if case == "kv-type-confusion":  # datasets as an integer, chunk_count as a string
         raw = _gguf_imatrix_with(_kv_u32("imatrix.datasets", 3) + _str("imatrix.chunk_count") + struct.pack("<i", 8)

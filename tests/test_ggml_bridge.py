@@ -15,9 +15,9 @@ import textwrap
 import numpy as np
 import pytest
 
-from voodoo_quant import qtypes as qt
-from voodoo_quant.errors import QuantizationInputError
-from voodoo_quant.ggml import _row_spans
+from voodoo_quant.core import qtypes as qt
+from voodoo_quant.core.errors import QuantizationInputError
+from voodoo_quant.core.ggml import _row_spans
 
 ALL = list(qt.QTYPES)
 # gguf-py implements quantize_blocks for exactly these (gguf-py/gguf/quants.py; docs/facts.md).

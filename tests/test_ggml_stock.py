@@ -12,8 +12,8 @@ import subprocess
 import numpy as np
 import pytest
 
-from voodoo_quant import paths
-from voodoo_quant import qtypes as qt
+from voodoo_quant.core import paths
+from voodoo_quant.core import qtypes as qt
 
 pytestmark = pytest.mark.slow
 

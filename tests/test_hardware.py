@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from voodoo_quant.errors import ConfigError, DeviceError
+from voodoo_quant.core.errors import ConfigError, DeviceError
 from voodoo_quant.hardware import (
     GPUInfo, TorchProbe, apply_env_defaults, attention_backend, detect, env_defaults, env_settings, host_env_defaults,
     probe_torch, resolve_device,

@@ -10,9 +10,10 @@ import subprocess
 import numpy as np
 import pytest
 
-from voodoo_quant import imatrix, paths
-from voodoo_quant.errors import CorruptFileError
-from voodoo_quant.imatrix import Entry, Imatrix, ImatrixMismatchError
+from voodoo_quant.core import paths
+from voodoo_quant.core.errors import CorruptFileError
+from voodoo_quant.gguf import imatrix
+from voodoo_quant.gguf.imatrix import Entry, Imatrix, ImatrixMismatchError
 
 # HF → GGUF names of a Llama (gguf-py tensor_mapping.py), for the tests only.
 _LLAMA = {

@@ -7,9 +7,9 @@ import torch.nn as nn
 from torch.nn.utils import parametrize
 
 from voodoo_quant.arch import adapter_for
-from voodoo_quant.layers import MixedQuant, attach, mixed_modules
-from voodoo_quant.menus import MenuConfig
-from voodoo_quant.student import attach_all, build_mixed, candidate_bytes, plan_model
+from voodoo_quant.selection.menus import MenuConfig
+from voodoo_quant.student.build import attach_all, build_mixed, candidate_bytes, plan_model
+from voodoo_quant.student.layers import MixedQuant, attach, mixed_modules
 
 MENU = MenuConfig(("Q8_0", "Q4_K", "Q2_K", "Q4_0"))
 
@@ -26,7 +26,7 @@ def _tiny_model(tied=True):
 def _student(lazy=False, tied=True, dtype=torch.float32, compact=True):
     model = _tiny_model(tied)
     plans = plan_model(model, adapter_for(model.config), MENU)
-    from voodoo_quant.student import selectable_weights
+    from voodoo_quant.student.build import selectable_weights
 
     w = selectable_weights(model)
     blobs = {p.name: candidate_bytes(p, w[p.name][0], None) for p in plans}
@@ -95,7 +95,7 @@ def test_lazy_equals_eager_forward_and_gradients(compact):
     products), while the kernel's are summed in float64 by chunks: equal to float32 accuracy."""
     e_model, _, e_mixed = _student(lazy=False, compact=compact)
     l_model, _, l_mixed = _student(lazy=True)
-    from voodoo_quant.compact import CompactCandidates
+    from voodoo_quant.candidates.compact import CompactCandidates
 
     assert all(isinstance(m._get, CompactCandidates) == compact for m in e_mixed.values())
     ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(2))
@@ -117,7 +117,7 @@ def test_cached_mixes_a_tied_gate_set_once(monkeypatch):
     """layers.cached(): the tied embedding / LM head is mixed once per forward (parametrize.cached()
     alone mixes it for each module: 9 mixtures for 8 gate sets), the logits are bit-equal, and
     the tied gates' gradient is the sum of both uses' (equal to float32 rounding)."""
-    from voodoo_quant import layers
+    from voodoo_quant.student import layers
 
     real, calls = layers._Mix.forward, []
 
@@ -187,7 +187,7 @@ def test_mix_buffers_are_bit_equal_to_fresh_mixtures_and_reused_across_steps():
     """layers.cached(buffers): the same logits and gate gradients, bit for bit, as fresh mixtures,
     step after step with moving gates; every gate set writes into one tensor kept across steps
     (the tied embedding / LM head one, not two); clear() drops them."""
-    from voodoo_quant import layers
+    from voodoo_quant.student import layers
 
     ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(3))
     fresh_model, _, fresh = _student(tied=True)
@@ -226,7 +226,7 @@ def test_mix_buffers_are_bit_equal_to_fresh_mixtures_and_reused_across_steps():
 def test_mix_buffer_rewritten_while_autograd_holds_it_raises():
     """The one misuse of MixBuffers (mixing again before the previous mixture's backward) is loud:
     the write bumps the buffer's version counter and the pending backward refuses."""
-    from voodoo_quant import layers
+    from voodoo_quant.student import layers
 
     model, _, mixed = _student(tied=True)
     ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(4))

@@ -20,8 +20,8 @@ def tp_models(tmp_path_factory):
 
 
 def _case(d: Path, out: Path):
-    from voodoo_quant.lazyload import WeightReader, text_skeleton
-    from voodoo_quant.modeling import load_model
+    from voodoo_quant.model.lazyload import WeightReader, text_skeleton
+    from voodoo_quant.model.modeling import load_model
     from voodoo_quant.training.setup import candidate_sources, plan_run, reader_weights
 
     whole = load_model(d / "model", dtype=torch.float32).eval()
@@ -35,7 +35,7 @@ def _case(d: Path, out: Path):
 
 @pytest.mark.parametrize("arch", tp_case.ARCHS)
 def test_layerwise_curvature_equals_the_whole_model_pass(tp_models, arch, tmp_path, ggml_lib):
-    from voodoo_quant.lazyload import meta_names
+    from voodoo_quant.model.lazyload import meta_names
     from voodoo_quant.training.fisher import curvature_table, fisher_diagonal
     from voodoo_quant.training.layerwise import layerwise_curvature
     from voodoo_quant.training.setup import reader_weights
@@ -62,8 +62,8 @@ def test_a_model_that_transforms_its_embeddings_is_refused_with_the_way_out(tp_m
     """The pass feeds the stored hidden states straight to the layers and the head: a model whose
     code between the embedding and the first layer changes them (Gemma scales them) would get
     another table, so it is refused, with the flag that computes the table on the whole model."""
-    from voodoo_quant.errors import ConfigError
-    from voodoo_quant.lazyload import meta_names
+    from voodoo_quant.core.errors import ConfigError
+    from voodoo_quant.model.lazyload import meta_names
     from voodoo_quant.training.layerwise import layerwise_curvature
 
     _whole, skel, plans, tokens, blobs_for = _case(tp_models["llama"], tmp_path)
@@ -85,7 +85,7 @@ def test_lazy_single_process_run_reads_one_tensor_at_a_time_and_writes_the_same_
     """One process with --lazy builds skeletons: the student's candidates and the (Q8_0) teacher are
     read a tensor at a time, the Fisher table and the search's curvature are streamed layer by
     layer. Everything it measures and writes equals the run that loads the float32 model whole."""
-    from voodoo_quant import modeling
+    from voodoo_quant.model import modeling
     from voodoo_quant.training import models
     from voodoo_quant.training.trainer import Trainer
 

@@ -23,7 +23,7 @@ def models(tmp_path_factory):
 
 
 def _write(path: Path, c) -> bytes:
-    from voodoo_quant.hessian_store import write_hessians
+    from voodoo_quant.candidates.hessian_store import write_hessians
 
     write_hessians(path, c.sizes, c.shared, "key", c.arrays)
     return path.read_bytes()
@@ -31,9 +31,9 @@ def _write(path: Path, c) -> bytes:
 
 @pytest.mark.parametrize("arch", tp_case.ARCHS)
 def test_layer_by_layer_hessians_are_the_whole_model_file(models, arch, tmp_path):
-    from voodoo_quant.hessian_store import load_hessians
-    from voodoo_quant.lazyload import WeightReader, meta_names, text_skeleton
-    from voodoo_quant.modeling import load_model
+    from voodoo_quant.candidates.hessian_store import load_hessians
+    from voodoo_quant.model.lazyload import WeightReader, meta_names, text_skeleton
+    from voodoo_quant.model.modeling import load_model
     from voodoo_quant.training.hessians import collect_passes
     from voodoo_quant.training.layer_hessians import collect_layerwise
     from voodoo_quant.training.setup import plan_run
@@ -70,7 +70,7 @@ def _cache_entries(root: Path) -> dict[str, tuple[bytes, str | None]]:
 
 
 def test_lazy_compensated_run_builds_and_trains_on_the_eager_candidates(models, tmp_path, monkeypatch, ggml_lib):
-    from voodoo_quant import modeling
+    from voodoo_quant.model import modeling
     from voodoo_quant.training.trainer import Trainer
 
     d = models["llama"]  # a tied embedding: compensated as the LM head, its Hessian taken after the layers

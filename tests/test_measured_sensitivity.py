@@ -4,9 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from voodoo_quant import ggml
-from voodoo_quant.errors import ConfigError
-from voodoo_quant.modeling import load_model
+from voodoo_quant.core import ggml
+from voodoo_quant.core.errors import ConfigError
+from voodoo_quant.model.modeling import load_model
 from voodoo_quant.training.config import TrainConfig
 from voodoo_quant.training.setup import candidate_blobs
 from voodoo_quant.training.trainer import Trainer

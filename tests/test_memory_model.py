@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from voodoo_quant.cli.tp import parse_train_flags
-from voodoo_quant.memory import dry_run
+from voodoo_quant.memory.plan import dry_run
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG_27B = ROOT / "bench" / "configs" / "qwen35_27b"
@@ -199,8 +199,8 @@ def test_reference_recipe_plans_from_a_config_alone():
 def test_the_hessians_of_error_compensation_are_planned_on_the_host(gate_model_dir, tmp_path, monkeypatch):
     import torch
 
-    from voodoo_quant.compensate import FACTOR_CACHE_BYTES
-    from voodoo_quant.modeling import load_model
+    from voodoo_quant.candidates.compensate import FACTOR_CACHE_BYTES
+    from voodoo_quant.model.modeling import load_model
 
     monkeypatch.setenv("VOODOO_QUANT_WORKERS", "3")
 
@@ -232,7 +232,7 @@ def test_the_layer_by_layer_hessians_of_a_lazy_run_are_planned_as_their_own_phas
     (training/layer_hessians.py): the stored hidden states of the calibration sequences, one
     float32 layer and its n² accumulators, a batch's activations. The quantization processes'
     factors come later, beside the loading terms."""
-    from voodoo_quant.memory import PROCESS_BASELINE
+    from voodoo_quant.memory.terms import PROCESS_BASELINE
 
     monkeypatch.setenv("VOODOO_QUANT_WORKERS", "1")
     base = ["--model", str(gate_model_dir / "model"), "--data_dir", str(tmp_path), "--candidate_types", "Q8_0", "Q4_0",
@@ -272,7 +272,7 @@ def test_disk_plan_counts_the_candidate_cache_and_the_hessians_file(gate_model_d
     Hessians file holds at most one n² float32 matrix per compensated tensor (shared inputs once)."""
     import torch
 
-    from voodoo_quant.modeling import load_model
+    from voodoo_quant.model.modeling import load_model
 
     base = ["--model", str(gate_model_dir / "model"), "--data_dir", str(tmp_path), "--candidate_types", "Q8_0", "Q4_0",
             "--compression_ratio", "0.6", "--seq_len", "64"]

@@ -2,9 +2,9 @@
 
 import pytest
 
-from voodoo_quant import qtypes as qt
-from voodoo_quant.errors import ConfigError, UnknownQuantTypeError
-from voodoo_quant.menus import MenuConfig, apply_upgrades, build_menu, parse_upgrades
+from voodoo_quant.core import qtypes as qt
+from voodoo_quant.core.errors import ConfigError, UnknownQuantTypeError
+from voodoo_quant.selection.menus import MenuConfig, apply_upgrades, build_menu, parse_upgrades
 
 RECIPE_DEFAULT = ("Q8_0", "Q5_K", "IQ3_S", "IQ2_S", "IQ2_XXS", "IQ1_S")
 RECIPE_ATTN = ("Q5_K", "IQ3_S", "IQ2_S", "IQ2_XXS")
@@ -84,7 +84,7 @@ def test_menu_drops_are_one_line_per_type(caplog):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from voodoo_quant.arch import adapter_for
-    from voodoo_quant.student import plan_model
+    from voodoo_quant.student.build import plan_model
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
@@ -102,7 +102,7 @@ def test_menu_drops_are_one_line_per_type(caplog):
 def test_a_filled_menu_takes_every_size_its_row_admits():
     """The default menu on 576-wide rows serves three rungs; filled, the row's other types in the
     requested size range join them, one per size (IQ4_NL rather than Q4_0 at 4.5 bpw)."""
-    from voodoo_quant.menus import DEFAULT_CANDIDATES
+    from voodoo_quant.selection.menus import DEFAULT_CANDIDATES
 
     plain = build_menu(DEFAULT_CANDIDATES, 576, has_imatrix=True)
     filled = build_menu(DEFAULT_CANDIDATES, 576, has_imatrix=True, fill=True)
@@ -123,7 +123,7 @@ def test_a_filled_menu_takes_every_size_its_row_admits():
 
 
 def test_fill_is_the_default_only_for_the_default_menu():
-    from voodoo_quant.menus import DEFAULT_CANDIDATES, default_fill
+    from voodoo_quant.selection.menus import DEFAULT_CANDIDATES, default_fill
     from voodoo_quant.training.config import TrainConfig
 
     assert default_fill(None, None, None) and default_fill(list(DEFAULT_CANDIDATES), None, None)

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from voodoo_quant.arch import adapter_for
-from voodoo_quant.layers import _Mix, row_reader
-from voodoo_quant.menus import MenuConfig
-from voodoo_quant.student import build_mixed, candidate_bytes, direct_quantize, plan_model, selectable_weights
+from voodoo_quant.selection.menus import MenuConfig
+from voodoo_quant.student.build import build_mixed, candidate_bytes, direct_quantize, plan_model, selectable_weights
+from voodoo_quant.student.layers import _Mix, row_reader
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
 MENU = MenuConfig(("Q8_0", "Q4_K", "Q2_K", "Q4_0"))
@@ -113,8 +113,8 @@ def test_vocabulary_shards_are_mixed_by_rows(tmp_path_factory, ggml_lib):
     (and every whole-row shard) read blocks of rows from their packed bytes."""
     from tp_case import build_models, config
 
-    from voodoo_quant.parallel import plan_tp
-    from voodoo_quant.student import ShardedPacked
+    from voodoo_quant.distributed.parallel import plan_tp
+    from voodoo_quant.student.build import ShardedPacked
     from voodoo_quant.training.models import load_models
     from voodoo_quant.training.setup import plan_run
 

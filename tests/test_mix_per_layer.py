@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from voodoo_quant.layers import mixed_modules
+from voodoo_quant.student.layers import mixed_modules
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
 

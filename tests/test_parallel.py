@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from voodoo_quant.arch.base import GenericAdapter
-from voodoo_quant.errors import ConfigError
-from voodoo_quant.device_map import split_layers
-from voodoo_quant.parallel import Shard, plan_tp
+from voodoo_quant.core.errors import ConfigError
+from voodoo_quant.distributed.device_map import split_layers
+from voodoo_quant.distributed.parallel import Shard, plan_tp
 from voodoo_quant.training.trainer import Trainer
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
@@ -104,7 +104,9 @@ def test_tp_without_torchrun_says_how_to_launch(tp_models, tmp_path):
 @pytest.mark.parametrize("arch", tp_case.ARCHS)
 def test_lazy_shards_hold_only_their_bytes_and_equal_the_dense_shard(tp_models, arch):
     """Every rank's packed shard dequantizes to exactly the rank's slice of the whole candidate."""
-    from voodoo_quant.student import ShardedPacked, build_mixed, candidate_bytes, direct_quantize, selectable_weights
+    from voodoo_quant.student.build import (
+        ShardedPacked, build_mixed, candidate_bytes, direct_quantize, selectable_weights,
+    )
 
     _, base, adapter, plans = _plans(tp_models[arch])
     plan = plan_tp(base, adapter, 2, plans)
@@ -405,8 +407,8 @@ def test_process_group_waits_as_long_as_rank_zero_works(monkeypatch):
 
     import torch.distributed as dist
 
-    from voodoo_quant.errors import EnvironmentVarError
-    from voodoo_quant.parallel import TPContext
+    from voodoo_quant.core.errors import EnvironmentVarError
+    from voodoo_quant.distributed.parallel import TPContext
 
     seen = {}
     monkeypatch.setattr(dist, "is_initialized", lambda: False)

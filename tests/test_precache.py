@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from voodoo_quant.cache import CandidateCache
-from voodoo_quant.errors import ConfigError
-from voodoo_quant.precache import CandidateJob, QuantPool, build_all, job_cost
+from voodoo_quant.candidates.cache import CandidateCache
+from voodoo_quant.candidates.precache import CandidateJob, QuantPool, build_all, job_cost
+from voodoo_quant.core.errors import ConfigError
 
 # IQ3_S/IQ3_XXS make the workers initialize IQ grids in their initializer; IQ1/IQ2 types would
 # cost seconds of init per process (docs/facts.md), too slow for CI.

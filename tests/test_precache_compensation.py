@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from voodoo_quant.errors import ConfigError
+from voodoo_quant.core.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 MENU = ("Q8_0", "Q4_K", "Q4_0")
@@ -56,7 +56,7 @@ def test_precache_refuses_compensation_without_the_runs_inputs(gate_model_dir, t
 
 @pytest.mark.slow
 def test_precached_compensated_candidates_are_what_train_uses(gate_model_dir, tmp_path, monkeypatch, ggml_lib):
-    from voodoo_quant import compensate
+    from voodoo_quant.candidates import compensate
     from voodoo_quant.training import hessians, layer_hessians
 
     d, run = gate_model_dir, tmp_path / "run"

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from voodoo_quant.errors import ConfigError
-from voodoo_quant.precache import parse_shard, split_by_cost
+from voodoo_quant.candidates.precache import parse_shard, split_by_cost
+from voodoo_quant.core.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 MENU = "Q8_0,Q4_K,Q6_K,Q4_0"
@@ -66,8 +66,8 @@ def test_two_shards_fill_exactly_what_one_run_fills(gate_model_dir, tmp_path, gg
 _WRITER = """
 import sys
 import numpy as np
-from voodoo_quant.cache import CandidateCache
-from voodoo_quant.precache import CandidateJob, build_all
+from voodoo_quant.candidates.cache import CandidateCache
+from voodoo_quant.candidates.precache import CandidateJob, build_all
 rng = np.random.default_rng(5)
 jobs = []
 for i in range(6):
@@ -80,7 +80,7 @@ print("built", rep.built, "cached", rep.cached)
 
 
 def test_concurrent_writers_keep_the_cache_consistent(tmp_path, ggml_lib):
-    from voodoo_quant.cache import CandidateCache
+    from voodoo_quant.candidates.cache import CandidateCache
 
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     shared = tmp_path / "shared"

@@ -15,10 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from voodoo_quant import qtypes as qt
-from voodoo_quant.errors import QuantizationInputError, UnknownQuantTypeError
-from voodoo_quant.quants import PackedTensor, dequantize, supported_types
-from voodoo_quant.quants import _registry, grids
+from voodoo_quant.core import qtypes as qt
+from voodoo_quant.core.errors import QuantizationInputError, UnknownQuantTypeError
+from voodoo_quant.quants import PackedTensor, _registry, dequantize, grids, supported_types
 from voodoo_quant.quants.random_blocks import MODES, random_blocks
 
 # The default menus' types plus the optional ones; each must have a kernel.

@@ -11,9 +11,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from voodoo_quant import fileio
 from voodoo_quant.cli.app import app
-from voodoo_quant.errors import ConfigError
+from voodoo_quant.core import fileio
+from voodoo_quant.core.errors import ConfigError
 from voodoo_quant.tools.quantize import QuantizeConfig, default_model_name, quantize
 
 runner = CliRunner()
@@ -145,7 +145,8 @@ def test_uncompensated_card_claims_stock_bytes_and_they_are(tiny_llama_hf_dir, l
     and the imatrix, writes the same bytes; run it and compare every tensor."""
     import subprocess
 
-    from voodoo_quant import converter, paths
+    from voodoo_quant.gguf import converter
+    from voodoo_quant.core import paths
 
     out = tmp_path / "ladder"
     res = quantize(_cfg(tiny_llama_hf_dir, ladder_text_dir, out, sizes=(60,), stock=("Q8_0",),
@@ -197,7 +198,7 @@ def test_teacher_hidden_state_cache_changes_nothing(gate_model_dir, tmp_path):
 
 
 def test_teacher_cache_refuses_to_serve_states_that_differ(gate_model_dir, tmp_path):
-    from voodoo_quant.modeling import load_model
+    from voodoo_quant.model.modeling import load_model
     from voodoo_quant.training.teacher_cache import HiddenStateCache
 
     model = load_model(gate_model_dir / "model", dtype=torch.float32)
@@ -292,11 +293,11 @@ def test_ladder_with_error_compensation_collects_the_hessians_once(tiny_llama_hf
                                                                    caplog):
     import logging
 
-    from voodoo_quant import converter
-    from voodoo_quant.assignment import Assignment
+    from voodoo_quant.gguf import converter
+    from voodoo_quant.selection.assignment import Assignment
 
     out = tmp_path / "ladder"
-    caplog.set_level(logging.INFO, logger="voodoo_quant.training.hessians")
+    caplog.set_level(logging.INFO, logger="voodoo_quant.training.compensation")
     res = quantize(_cfg(tiny_llama_hf_dir, ladder_text_dir, out, stock=(), train_extra={
         "error_compensation": "gptq", "compensation_sequences": 2}), progress=False)
     assert sorted(res.files) == [60, 75]

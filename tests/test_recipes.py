@@ -16,10 +16,11 @@ import subprocess
 
 import pytest
 
-from voodoo_quant import menus, paths
-from voodoo_quant import qtypes as qt
-from voodoo_quant import recipe_inputs, recipes
-from voodoo_quant.converter import convert
+from voodoo_quant.core import paths
+from voodoo_quant.core import qtypes as qt
+from voodoo_quant.gguf import recipe_inputs, recipes
+from voodoo_quant.gguf.converter import convert
+from voodoo_quant.selection import menus
 
 # The ftypes of the brief, plus the other ones the tool accepts that the type table knows.
 FTYPES = ("Q2_K", "Q2_K_S", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_0", "Q4_1", "Q4_K_S", "Q4_K_M", "Q5_0",
@@ -311,8 +312,8 @@ def test_stock_types_from_plans_equal_the_gguf_prediction(recipe_models, key):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from voodoo_quant.arch import adapter_for
-    from voodoo_quant.menus import MenuConfig
-    from voodoo_quant.student import converter_layouts, plan_model
+    from voodoo_quant.selection.menus import MenuConfig
+    from voodoo_quant.student.build import converter_layouts, plan_model
 
     m = recipe_models(key)
     model = AutoModelForCausalLM.from_pretrained(m.hf)

@@ -1,7 +1,7 @@
 """Crash and resume: `voodoo train` / `voodoo export` SIGKILLed at chosen points, then rerun.
 
 Every run is the real CLI entry point in its own process, killed by SIGKILL (nothing gets to
-clean up) through the test-only hook ``VOODOO_FAULT_AT`` (voodoo_quant/faults.py): mid-write of
+clean up) through the test-only hook ``VOODOO_FAULT_AT`` (voodoo_quant/core/faults.py): mid-write of
 a cache entry, after a step's update, mid-write of the journal, in bake, mid-write of the result,
 mid-stream of the GGUF. After every kill, every file under a final name must be complete; the
 chain of resumed runs must end with the assignment, gates and GGUF bytes of an uninterrupted run.
@@ -98,8 +98,8 @@ def train_argv(model: Path, d: Path, out: Path) -> list[str]:
 
 def final_files_intact(out: Path) -> list[str]:
     """Every file under a final name in a run dir is complete: returns the names checked."""
-    from voodoo_quant.assignment import Assignment
-    from voodoo_quant.fileio import torch_load
+    from voodoo_quant.selection.assignment import Assignment
+    from voodoo_quant.core.fileio import torch_load
 
     seen = []
     for f in sorted(out.iterdir()) if out.exists() else []:

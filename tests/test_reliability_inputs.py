@@ -20,9 +20,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from voodoo_quant import fileio
 from voodoo_quant.cli.app import app
-from voodoo_quant.errors import ConfigError, CorruptFileError
+from voodoo_quant.core import fileio
+from voodoo_quant.core.errors import ConfigError, CorruptFileError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -101,7 +101,7 @@ def test_corrupt_tokens_file(gate_model_dir, tmp_path, damage):
 def test_corrupt_imatrix(gate_model_dir, tmp_path, fmt):
     import numpy as np
 
-    from voodoo_quant.imatrix import Entry, Imatrix
+    from voodoo_quant.gguf.imatrix import Entry, Imatrix
 
     im = Imatrix({"blk.0.ffn_down.weight": Entry(np.ones(512, np.float32), np.array([8]))}, ["x"], 1, 8)
     p = tmp_path / f"imatrix.{fmt}"

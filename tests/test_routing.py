@@ -85,7 +85,7 @@ def test_routed_linear_gradient_matches_the_mixture_formula_for_any_gates():
     torch.manual_seed(0)
     cands = torch.randn(3, 5, 7)
     x = torch.randn(4, 6, 7, requires_grad=True)
-    from voodoo_quant.layers import MixedQuant
+    from voodoo_quant.student.layers import MixedQuant
 
     mq = MixedQuant("w", ("A", "B", "C"), (1, 2, 3), cands, (5, 7))
     p = torch.tensor([0.2, 0.5, 0.3], requires_grad=True)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from voodoo_quant.errors import ConfigError
+from voodoo_quant.core.errors import ConfigError
 from voodoo_quant.experimental import search as S
 from voodoo_quant.training.config import TrainConfig
 from voodoo_quant.training.objective import HeldAside
@@ -389,7 +389,7 @@ def test_curvature_extended_to_reference_rungs_is_stored_for_the_next_run(gate_m
     second run from the same inputs (the next size of a ladder) needs no second Fisher pass."""
     import json as _json
 
-    from voodoo_quant import fileio
+    from voodoo_quant.core import fileio
     from voodoo_quant.training import fisher
     from voodoo_quant.training.sensitivity import TABLE_NAME
 

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from voodoo_quant.menus import is_pinned, parse_upgrades
+from voodoo_quant.selection.menus import is_pinned, parse_upgrades
 from voodoo_quant.training import knapsack, sensitivity
 from voodoo_quant.training.bake import bake
 from voodoo_quant.training.config import TrainConfig
@@ -45,7 +45,7 @@ def test_table_orders_the_rungs_by_precision(warm):
 def test_table_matches_a_direct_computation_on_one_tensor(warm):
     """‖(W_q − W)X‖² / ‖WX‖² from the Gram matrix equals the explicit product over the tokens."""
     run = warm.run
-    from voodoo_quant.modeling import load_model
+    from voodoo_quant.model.modeling import load_model
     from voodoo_quant.training.setup import candidate_blobs
 
     base = load_model(run.cfg.model, dtype=torch.float32)
@@ -60,7 +60,7 @@ def test_table_matches_a_direct_computation_on_one_tensor(warm):
     h.remove()
     x = torch.cat(xs).double()
     blobs = candidate_blobs([plan], {plan.name: w}, {})[plan.name]
-    from voodoo_quant import ggml
+    from voodoo_quant.core import ggml
 
     for k, (t, blob) in enumerate(zip(plan.menu.types, blobs)):
         wq = torch.from_numpy(ggml.lib().dequantize(blob, t, (plan.rows, plan.n_per_row))).double()
@@ -74,8 +74,8 @@ def test_grouped_capture_equals_one_pass_and_keeps_float32(warm):
     """Capturing the statistics in groups (one calibration pass each, GRAM_BYTES apart) gives the
     very same table as one pass over every tensor; the Grams are float32 on the given device."""
     run = warm.run
-    from voodoo_quant.modeling import load_model
-    from voodoo_quant.student import selectable_weights
+    from voodoo_quant.model.modeling import load_model
+    from voodoo_quant.student.build import selectable_weights
     from voodoo_quant.training.setup import candidate_blobs
 
     base = load_model(run.cfg.model, dtype=torch.float32)

@@ -8,7 +8,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from voodoo_quant import settings as S
+from voodoo_quant.core import settings as S
 from voodoo_quant.cli.app import app
 from voodoo_quant.cli.options import ALIASES
 from voodoo_quant.training.config import TrainConfig

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from voodoo_quant.parallel import TPContext, apply_tp, plan_tp
+from voodoo_quant.distributed.parallel import TPContext, apply_tp, plan_tp
 
 MENU = ("Q8_0", "Q5_0", "Q4_1", "Q4_0")
 
@@ -41,8 +41,8 @@ def _state(model) -> dict[str, torch.Tensor]:
 
 
 def test_skeleton_holds_no_weights_but_computes_its_buffers(qwen35_dir):
-    from voodoo_quant.lazyload import meta_names, text_skeleton
-    from voodoo_quant.modeling import load_model
+    from voodoo_quant.model.lazyload import meta_names, text_skeleton
+    from voodoo_quant.model.modeling import load_model
 
     d = qwen35_dir["qwen3_5"] / "model"
     sk = text_skeleton(d)
@@ -58,8 +58,8 @@ def test_skeleton_holds_no_weights_but_computes_its_buffers(qwen35_dir):
 
 def test_reader_shards_equal_slices_of_the_whole_tensor(qwen35_dir):
     from voodoo_quant.arch import adapter_for
-    from voodoo_quant.lazyload import WeightReader, text_skeleton
-    from voodoo_quant.modeling import load_model
+    from voodoo_quant.model.lazyload import WeightReader, text_skeleton
+    from voodoo_quant.model.modeling import load_model
 
     d = qwen35_dir["qwen3_5"] / "model"
     sk = text_skeleton(d)
@@ -137,7 +137,7 @@ def test_a_float_teacher_loaded_whole_shares_the_base_float32_weights_and_surviv
     """One process loading whole: the teacher is the base's own float32 tensors (float32 run) or
     cast straight from them, not a second float32 model; building the student (which drops and
     replaces the base's weights) leaves the teacher equal, bit for bit, to a model loaded apart."""
-    from voodoo_quant.modeling import load_model
+    from voodoo_quant.model.modeling import load_model
     from voodoo_quant.training.models import TORCH_DTYPES, load_models
     from voodoo_quant.training.setup import build_student, plan_run
 
@@ -166,7 +166,7 @@ def test_a_float_teacher_loaded_whole_shares_the_base_float32_weights_and_surviv
 
 def test_a_q8_teacher_loaded_whole_is_its_own_copy(qwen35_dir, tmp_path, ggml_lib):
     """A teacher changed in place (Q8_0 round trip) must not change the base it was copied from."""
-    from voodoo_quant.modeling import load_model
+    from voodoo_quant.model.modeling import load_model
     from voodoo_quant.training.models import load_models
 
     cfg = _cfg(qwen35_dir["qwen3"], tmp_path, tensor_parallel=1, teacher_quant="Q8_0")

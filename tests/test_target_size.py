@@ -2,8 +2,8 @@
 
 import pytest
 
-from voodoo_quant.errors import ConfigError
-from voodoo_quant.sizes import parse_size
+from voodoo_quant.core.errors import ConfigError
+from voodoo_quant.core.sizes import parse_size
 
 MENU = ("Q8_0", "Q5_K", "Q4_K", "Q2_K")
 
@@ -33,7 +33,7 @@ def test_exactly_one_size_target():
 
 @pytest.fixture(scope="module")
 def exported(imatrix_llama256_hf_dir, synthetic_run_inputs, tmp_path_factory):
-    from voodoo_quant.student import fixed_tensors
+    from voodoo_quant.student.build import fixed_tensors
     from voodoo_quant.tools.export import ExportConfig, export
     from voodoo_quant.training.config import TrainConfig
     from voodoo_quant.training.target_size import other_bytes

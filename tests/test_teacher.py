@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from voodoo_quant.cli.app import app
-from voodoo_quant.modeling import source_identity
+from voodoo_quant.model.modeling import source_identity
 from voodoo_quant.tools.teacher import degrid, grid_step, load_base, load_teacher, module_from_checkpoint
 
 runner = CliRunner()
@@ -125,8 +125,8 @@ def test_the_degrid_block_follows_the_source_gguf_types(tmp_path, ggml_lib):
     by 16; one of 32-block types only (the embedded SmolLM2's Q4_1) and an HF dir by 32."""
     import numpy as np
 
-    from voodoo_quant import converter
-    from voodoo_quant import qtypes as qt
+    from voodoo_quant.gguf import converter
+    from voodoo_quant.core import qtypes as qt
     from voodoo_quant.tools.teacher import MakeTeacherConfig, degrid_block_for
 
     gguf = converter.vendored_gguf()

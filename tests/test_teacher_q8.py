@@ -25,9 +25,9 @@ def models(tmp_path_factory):
 
 def _teacher_checkpoint(d: Path, out: Path) -> Path:
     """A voodoo-teacher/1 file as `voodoo make-teacher` writes it (checkpoints.teacher_entry)."""
-    from voodoo_quant import fileio
-    from voodoo_quant.checkpoints import TEACHER_FORMAT, teacher_entry
-    from voodoo_quant.modeling import load_model
+    from voodoo_quant.core import fileio
+    from voodoo_quant.model.checkpoints import TEACHER_FORMAT, teacher_entry
+    from voodoo_quant.model.modeling import load_model
 
     m = load_model(d / "model")
     tensors = {n: teacher_entry(n, t.detach()) for n, t in m.state_dict().items() if n != "lm_head.weight"
@@ -77,7 +77,7 @@ def test_packed_teacher_logits_equal_the_dense_teacher(models, tmp_path, arch, s
 @pytest.mark.parametrize("arch,source", [("qwen3", "teacher_quant"), ("qwen3_5", "checkpoint")])
 def test_sharded_packed_teacher_equals_the_dense_shards(models, tmp_path, arch, source, ggml_lib):
     from voodoo_quant.arch import adapter_for
-    from voodoo_quant.parallel import TPContext, plan_tp
+    from voodoo_quant.distributed.parallel import TPContext, plan_tp
     from voodoo_quant.training.models import load_models, shard_teacher
     from voodoo_quant.training.setup import plan_run
 

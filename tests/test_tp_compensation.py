@@ -44,7 +44,7 @@ def test_auto_is_gptq_under_tensor_parallelism_and_a_plain_journal_is_another_re
 
 
 def _gguf_tensors(path: Path) -> dict[str, bytes]:
-    from voodoo_quant import converter
+    from voodoo_quant.gguf import converter
 
     r = converter.vendored_gguf().GGUFReader(path)
     return {t.name: np.asarray(t.data).view(np.uint8).tobytes() for t in r.tensors}
@@ -53,8 +53,8 @@ def _gguf_tensors(path: Path) -> dict[str, bytes]:
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
 def test_tp2_compensates_as_one_process_and_exports_what_the_ranks_trained_on(tp_models, tmp_path, arch, ggml_lib):
-    from voodoo_quant import ggml
-    from voodoo_quant.parallel import plan_tp
+    from voodoo_quant.core import ggml
+    from voodoo_quant.distributed.parallel import plan_tp
     from voodoo_quant.tools.export import ExportConfig, export
 
     case = f"{arch}:comp"

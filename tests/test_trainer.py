@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from voodoo_quant.assignment import Assignment
-from voodoo_quant.budget import size_penalty
-from voodoo_quant.errors import ConfigError
+from voodoo_quant.core.errors import ConfigError
+from voodoo_quant.selection.assignment import Assignment
+from voodoo_quant.selection.budget import size_penalty
 from voodoo_quant.training.config import TrainConfig
 from voodoo_quant.training.journal import JournalMismatchError
 from voodoo_quant.training.trainer import Trainer

@@ -24,9 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from .errors import ConfigError
-from .menus import DEFAULT_CANDIDATES
+from .core import fileio
+from .core.errors import ConfigError
+from .model.modeling import hf_dir_missing
+from .selection.menus import DEFAULT_CANDIDATES
 from .tools.quantize import QuantizeConfig, QuantizeResult, quantize  # noqa: F401  (the ladder: `voodoo quantize`)
+from .training.config import TrainConfig
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +77,6 @@ class VoodooQuantizer:
     def _tokens(self, out: Path) -> Path:
         import torch
 
-        from . import fileio
-
         eos = self.tokenizer.eos_token_id
         ids: list[int] = []
         for text in self.config.calib_texts:
@@ -97,9 +98,6 @@ class VoodooQuantizer:
         saved again)."""
         import shutil
 
-        from . import fileio
-        from .modeling import hf_dir_missing
-
         hf = self.workdir / "model"
         if hf.exists():
             missing = hf_dir_missing(hf)
@@ -117,9 +115,8 @@ class VoodooQuantizer:
         return fileio.write_dir(hf, write)
 
     def quantize(self) -> "QuantizedModel":
-        from .tools.calibrate import ImatrixConfig, compute
-        from .training.config import TrainConfig
-        from .training.trainer import Trainer
+        from .tools.calibrate import ImatrixConfig, compute  # lazy: `import voodoo_quant.api` stays free of torch
+        from .training.trainer import Trainer  # lazy: `import voodoo_quant.api` stays free of torch
 
         cfg = self.config
         hf = self.model_dir()
@@ -155,7 +152,7 @@ class QuantizedModel:
 
         The export checks the assignment's provenance (imatrix, base weights, libggml, menus)
         and raises ``provenance.ProvenanceMismatchError`` on a mismatch unless `allow_mismatch`."""
-        from .tools.export import ExportConfig, export
+        from .tools.export import ExportConfig, export  # lazy: `import voodoo_quant.api` stays free of torch
 
         path = Path(path)
         if path.suffix != ".gguf":

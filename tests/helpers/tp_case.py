@@ -157,7 +157,7 @@ def probe_case(d: Path, out: Path, tp: int) -> dict:
 def main(argv: list[str]) -> None:
     import torch.distributed as dist
 
-    from voodoo_quant import modeling
+    from voodoo_quant.model import modeling
 
     root, out, archs = Path(argv[0]), Path(argv[1]), argv[2:]
     torch.set_num_threads(1)
@@ -177,7 +177,7 @@ def main(argv: list[str]) -> None:
         results[case]["whole_loads"] = len(whole)
     rank = dist.get_rank()
     torch.save(results, out / f"rank{rank}.pt")
-    from voodoo_quant.parallel import leave
+    from voodoo_quant.distributed.parallel import leave
 
     leave()
 

@@ -21,8 +21,8 @@ def main(argv: list[str]) -> None:
 
     from tp_case import config
 
-    from voodoo_quant.layers import mixed_modules
-    from voodoo_quant.tp_checkpoint import partitioned_checkpoint
+    from voodoo_quant.student.layers import mixed_modules
+    from voodoo_quant.distributed.tp_checkpoint import partitioned_checkpoint
     from voodoo_quant.training.teacher_q8 import is_packed
     from voodoo_quant.training.trainer import Trainer, micro_backward
 
@@ -49,7 +49,7 @@ def main(argv: list[str]) -> None:
         res.setdefault("runs", {})[mode] = {"ce": float(ce), "kl": float(kl),
                      "grads": {n: mq.gates.grad.clone() for n, mq in mixed_modules(run.student).items()}}
     torch.save(res, out / f"rank{dist.get_rank()}.pt")
-    from voodoo_quant.parallel import leave
+    from voodoo_quant.distributed.parallel import leave
 
     leave()  # meet, tear down, exit without the interpreter's teardown (gloo can abort there)
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 import re
 from typing import Any, ClassVar
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
+from ..distributed.parallel import Shard
 
 
 class UnknownArchitectureError(ConfigError):
@@ -46,7 +47,7 @@ class ArchAdapter:
         return None
 
     # Tensor parallelism: adapters that support it define
-    #   shard_layer(self, layer: nn.Module, world: int) -> voodoo_quant.parallel.LayerShard
+    #   shard_layer(self, layer: nn.Module, world: int) -> voodoo_quant.distributed.parallel.LayerShard
     # (the split of every parameter of one decoder layer, names relative to the layer).
     shard_layer = None
 
@@ -59,8 +60,6 @@ def attention_shards(attn: Any, prefix: str, *, out_name: str = "o_proj", q_unit
     """Heads of a (grouped-query) attention block split across ranks: q/k/v by whole heads
     (column-parallel, biases with them), the output projection by the same head columns
     (row-parallel). `q_unit_factor` = 2 where q_proj interleaves a gate per head (Qwen3.5)."""
-    from ..parallel import Shard
-
     hd = attn.head_dim
     out = {}
     for name, unit in (("q_proj", hd * q_unit_factor), ("k_proj", hd), ("v_proj", hd)):
@@ -75,8 +74,6 @@ def attention_shards(attn: Any, prefix: str, *, out_name: str = "o_proj", q_unit
 
 def mlp_shards(mlp: Any, prefix: str, *, gate: str = "gate_proj", up: str = "up_proj", down: str = "down_proj"):
     """A gated MLP split by its intermediate features: gate/up column-, down row-parallel."""
-    from ..parallel import Shard
-
     out = {}
     for name in (gate, up):
         lin = getattr(mlp, name)

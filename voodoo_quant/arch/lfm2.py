@@ -8,6 +8,7 @@ llama-quantize never quantizes (src/llama-quant.cpp: ``shortconv.conv.weight``).
 
 from __future__ import annotations
 
+from ..distributed.parallel import LayerShard, Shard
 from .base import ArchAdapter, attention_shards, mlp_shards, register
 
 _P = r"model\.layers\.(?P<bid>\d+)\."
@@ -39,8 +40,6 @@ class Lfm2Adapter(ArchAdapter):
         ``[B | C | x]`` in_proj split group by group, so each rank holds matching B, C and x rows,
         the depthwise conv by the same channels, out_proj by those columns. The feed-forward
         w1/w3 column-, w2 row-parallel."""
-        from ..parallel import LayerShard, Shard
-
         params = mlp_shards(layer.feed_forward, "feed_forward.", gate="w1", up="w3", down="w2")
         if getattr(layer, "is_attention_layer", hasattr(layer, "self_attn")):
             params.update(attention_shards(layer.self_attn, "self_attn.", out_name="out_proj"))

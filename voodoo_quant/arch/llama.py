@@ -1,12 +1,13 @@
 """Plain decoders: the Llama family (SmolLM2 is one), Qwen2 (Qwen2.5, Qwen2.5-Coder) and Qwen3.
 
 llama.cpp's converter permutes Llama's q/k rows for its rope layout (conversion/llama.py
-``LlamaModel.permute``); the exact map comes from :mod:`voodoo_quant.layout`, the names below
+``LlamaModel.permute``); the exact map comes from :mod:`voodoo_quant.gguf.layout`, the names below
 serve where no checkpoint is at hand (tensor-type files, imatrix names, reports).
 """
 
 from __future__ import annotations
 
+from ..distributed.parallel import LayerShard
 from .base import ArchAdapter, attention_shards, mlp_shards, register
 
 # gguf-py tensor_mapping.py names for the standard decoder blocks.
@@ -27,8 +28,6 @@ def decoder_shard_layer(self, layer, world: int):
     """Attention heads and MLP features split across ranks; norms (incl. Qwen3's per-head q/k
     norms) are replicated. The attention forward infers its head count from q_proj's output, and
     the query/key-value head ratio is unchanged by an even split: no attribute changes."""
-    from ..parallel import LayerShard
-
     return LayerShard(params={**attention_shards(layer.self_attn, "self_attn."), **mlp_shards(layer.mlp, "mlp.")})
 
 

@@ -4,11 +4,12 @@ The multimodal wrapper stores the text model under ``model.language_model.``; th
 strips ``language_model.`` (conversion/base.py ``ModelBase.filter_tensors``), so both spellings
 map to the same GGUF names. The converter reorders linear-attention V heads from grouped to
 tiled order (conversion/qwen.py ``_LinearAttentionVReorderBase``): rows of in_proj_qkv (V part),
-in_proj_z, in_proj_a/b and the columns of out_proj. :mod:`voodoo_quant.layout` captures it.
+in_proj_z, in_proj_a/b and the columns of out_proj. :mod:`voodoo_quant.gguf.layout` captures it.
 """
 
 from __future__ import annotations
 
+from ..distributed.parallel import LayerShard, Shard
 from .base import ArchAdapter, attention_shards, mlp_shards, register
 from .llama import DECODER_GGUF_NAMES
 
@@ -40,8 +41,6 @@ class Qwen35Adapter(ArchAdapter):
         its key heads): in_proj_qkv and the depthwise conv1d split in their [q | k | v] groups,
         in_proj_z / in_proj_a / in_proj_b, A_log and dt_bias by value head, out_proj by value-head
         columns; the per-rank head counts and dims are set on the module."""
-        from ..parallel import LayerShard, Shard
-
         params = mlp_shards(layer.mlp, "mlp.")
         attrs = {}
         if hasattr(layer, "self_attn"):

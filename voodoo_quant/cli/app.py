@@ -47,6 +47,7 @@ for _name in COMMAND_MODULES:
 def main() -> None:
     import os
 
+    # lazy: `import voodoo_quant.cli.app` stays light
     from ..hardware.envdefaults import apply_env_defaults, host_env_defaults
 
     apply_env_defaults(host_env_defaults(), os.environ)  # before the first large tensor (the user's values win)

@@ -66,7 +66,7 @@ def normalize(args: Sequence[str], known: Iterable[str]) -> list[str]:
 
 
 def declared_flags(cmd) -> Flags:
-    from .options import ALIASES
+    from .options import ALIASES  # lazy: cli.options imports this module
 
     flags, lists = Flags(), set()
     flags.aliases = dict(ALIASES.get(getattr(cmd, "name", None) or "", {}))

@@ -10,7 +10,7 @@ import click
 import typer
 from rich.console import Console
 
-from ..errors import VoodooError
+from ..core.errors import VoodooError
 
 # Piped output (logs, CI) gets a wide console so tables are not truncated to 80 columns.
 console = Console(width=None if sys.stdout.isatty() else 160)

@@ -29,7 +29,7 @@ def register(app: typer.Typer) -> None:
         seed: int = typer.Option(0, "--seed", help="Seed of the document split."),
     ) -> None:
         """Tokenize text into train/eval sequences, split by document."""
-        from ..tools.data import DataConfig, make_data
+        from ..tools.data import DataConfig, make_data  # lazy: keeps `voodoo --help` light
 
         cfg = DataConfig(model=model, inputs=list(inputs or []), output_dir=output_dir, seq_len=seq_len,
                          eval_fraction=eval_fraction, eval_files=list(eval_files), glob=glob,

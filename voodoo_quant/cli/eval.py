@@ -9,7 +9,7 @@ from typing import List, Optional
 import typer
 from rich.table import Table
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 from .common import console, report_errors
 from .options import add_aliases
 
@@ -58,7 +58,7 @@ def register(app: typer.Typer) -> None:
         if gguf and model:
             raise ConfigError("give --gguf files (llama.cpp) or --model (torch), not both")
         if gguf:
-            from ..tools.evaluate import GGUFEvalConfig, evaluate_ggufs
+            from ..tools.evaluate import GGUFEvalConfig, evaluate_ggufs  # lazy: keeps `voodoo --help` light
 
             if reference is None:
                 raise ConfigError("--gguf needs --reference GGUF (the model whose logits are the KL base)")
@@ -68,7 +68,7 @@ def register(app: typer.Typer) -> None:
             res = evaluate_ggufs(cfg)
             console.print(rows_table(res["rows"], f"KLD vs {reference.name} (PPL {res['reference']['ppl']:.4f}), -c {ctx}"))
         elif model:
-            from ..tools.evaluate import TorchEvalConfig, evaluate_torch_cli
+            from ..tools.evaluate import TorchEvalConfig, evaluate_torch_cli  # lazy: keeps `voodoo --help` light
 
             if eval_tokens is None:
                 raise ConfigError("torch eval needs --eval_tokens")

@@ -26,7 +26,7 @@ def register(app: typer.Typer) -> None:
         allow_mismatch: bool = typer.Option(False, "--allow_mismatch", "--allow-mismatch", help="Experts: export even when the imatrix, base weights, libggml or menus differ from what the assignment records (or it records none); each mismatch is logged."),
     ) -> None:
         """Write the assignment as one GGUF that stock llama.cpp loads and runs."""
-        from ..tools.export import ExportConfig, export
+        from ..tools.export import ExportConfig, export  # lazy: keeps `voodoo --help` light
 
         cfg = ExportConfig(
             model=model, assignment=assignment, output_dir=output_dir, base_checkpoint=base_checkpoint,

@@ -22,7 +22,7 @@ def register(app: typer.Typer) -> None:
         text_model_class: Optional[str] = typer.Option(None, "--text_model_class", help="Text-only class of a multimodal wrapper."),
     ) -> None:
         """Compute an importance matrix in torch and write it as llama-quantize reads it."""
-        from ..tools.calibrate import ImatrixConfig, compute
+        from ..tools.calibrate import ImatrixConfig, compute  # lazy: keeps `voodoo --help` light
 
         imx = compute(ImatrixConfig(model, tokens, output, max_sequences, batch_size, base_checkpoint, text_model_class))
         console.print(f"wrote {output}: {len(imx.entries)} tensors, {imx.chunk_count} chunks")

@@ -44,7 +44,7 @@ def register(app: typer.Typer) -> None:
                                               help="Also save the (de-gridded) float32 model as an HF checkpoint dir."),
     ) -> None:
         """Write the base checkpoint and the Q8_0 teacher from an HF dir or a GGUF file."""
-        from ..tools.teacher import MakeTeacherConfig, make_teacher
+        from ..tools.teacher import MakeTeacherConfig, make_teacher  # lazy: keeps `voodoo --help` light
 
         cfg = MakeTeacherConfig(model=model, output_dir=output_dir, base_name=base_name, teacher_name=teacher_name,
                                 strip_prefix=strip_prefix, text_model_class=text_model_class, dtype=dtype.value,

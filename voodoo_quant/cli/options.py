@@ -18,8 +18,8 @@ from typing import Any, Callable, List, Optional
 
 import typer
 
-from .. import envs
-from ..settings import ADVANCED, EXPERIMENTAL, Setting, declared, default_of
+from ..core import envs
+from ..core.settings import ADVANCED, EXPERIMENTAL, Setting, declared, default_of
 
 # command name -> {old spelling (snake_case): the flag it stands for (snake_case)}
 ALIASES: dict[str, dict[str, str]] = {}

@@ -36,7 +36,7 @@ def register(app: typer.Typer) -> None:
         search_confirm: int = typer.Option(_TRAIN["search_confirm"], "--search_confirm", help="The run's --search_confirm (held aside too)."),
     ) -> None:
         """Build the candidate cache for a model and its menus ahead of training."""
-        from ..tools.precache import PrecacheConfig, precache as run
+        from ..tools.precache import PrecacheConfig, precache as run  # lazy: keeps `voodoo --help` light
 
         cfg = PrecacheConfig(model, base_checkpoint, text_model_class, candidate_types or None,
                              attention_candidates or None, non_attention_candidates or None, imatrix, workers, shard,

@@ -15,6 +15,7 @@ import typer
 from ..training.config import SEQ_LEN
 from .common import console, report_errors
 from .options import add_aliases
+from .tp import parse_train_flags
 
 T = "Training"
 E = "Evaluation and card"
@@ -31,8 +32,6 @@ def _paths(v: Optional[List[str]]) -> list[str]:
 
 def train_extra(args: list[str]) -> dict:
     """The TrainConfig fields that the train flags `args` set to something other than the default."""
-    from .tp import parse_train_flags
-
     if not args:
         return {}
     if args[0] == "--":
@@ -91,8 +90,8 @@ def register(app: typer.Typer) -> None:
         # One display for the whole ladder: tqdm bars of the libraries it calls (transformers'
         # GGUF loader) would break it up. Read by tqdm when it is first imported, i.e. below.
         os.environ.setdefault("TQDM_DISABLE", "1")
-        from ..tools.quantize import QuantizeConfig, quantize as run
-        from .quantize_report import print_summary
+        from ..tools.quantize import QuantizeConfig, quantize as run  # lazy: keeps `voodoo --help` light
+        from .quantize_report import print_summary  # lazy: keeps `voodoo --help` light
 
         cfg = QuantizeConfig(
             model=model, texts=_paths(text), sizes=tuple(_csv(sizes)), output_dir=output_dir, model_name=model_name,

@@ -7,7 +7,7 @@ from rich.table import Table
 
 
 def print_summary(console: Console, cfg, result) -> None:
-    from ..tools.card import nearest_stock
+    from ..tools.card import nearest_stock  # lazy: keeps `voodoo --help` light
 
     t = Table(title=f"voodoo quantize: {cfg.model_name} ladder ({len(result.ran)} steps ran, "
                     f"{len(result.skipped)} skipped: same inputs)")

@@ -1,4 +1,4 @@
-"""`voodoo tp --nproc N -- <train flags>`: tensor-parallel training through torchrun.
+"""`voodoo tp --tensor_parallel N -- <train flags>`: tensor-parallel training through torchrun.
 
 It validates the train flags exactly as `voodoo train` does, checks what the run needs (model
 files, devices) in that order and says plainly what is missing, then starts the ranks
@@ -11,16 +11,16 @@ import shlex
 
 import typer
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 from .argv import declared_flags, normalize
-from .common import report_errors
+from .common import console, report_errors
 from .options import add_aliases
+from .train import build_config
 
 
 def parse_train_flags(args: list[str]):
     """The TrainConfig that `voodoo train <args>` would build (no model is loaded)."""
-    from .app import app as root
-    from .train import build_config
+    from .app import app as root  # lazy: cli.app imports this module while it registers the commands
 
     group = typer.main.get_command(root)
     train_cmd = group.commands["train"]
@@ -46,15 +46,13 @@ def register(app: typer.Typer) -> None:
         print_only: bool = typer.Option(False, "--print_only", help="Print the torchrun command and environment; start nothing."),
     ) -> None:
         """Tensor-parallel `voodoo train` through torchrun: voodoo tp --tensor_parallel N -- <train flags>."""
-        from ..tools.launch import check_inputs, plan_launch, run_launch
+        from ..tools.launch import check_inputs, plan_launch, run_launch  # lazy: keeps `voodoo --help` light
 
         args = list(ctx.args)
         cfg = parse_train_flags(args)
         if cfg.dry_run:  # the plan of every rank, from the config alone: nothing is launched
-            from ..memory import dry_run
-            from ..training.report import print_dry_run
-            from .common import console
-
+            from ..memory.plan import dry_run  # lazy: keeps `voodoo --help` light
+            from ..training.report import print_dry_run  # lazy: keeps `voodoo --help` light
             check_inputs(cfg, nproc, dry_run=True)
             print_dry_run(console, dry_run(cfg, world=nproc))
             return

@@ -24,16 +24,17 @@ def register(app: typer.Typer) -> None:
     @from_config(TrainConfig, "train")
     def train(**settings) -> None:
         """Train the gates under the size budget, bake, and write the assignment."""
+        # lazy: keeps `voodoo --help` light
         from ..training.report import print_dry_run, print_result, progress_reporter
-        from ..parallel import launched_rank, leave, shutdown
-        from ..training.setup import tiny
-        from ..training.trainer import Trainer
+        from ..distributed.parallel import launched_rank, leave, shutdown  # lazy: keeps `voodoo --help` light
+        from ..training.setup import tiny  # lazy: keeps `voodoo --help` light
+        from ..training.trainer import Trainer  # lazy: keeps `voodoo --help` light
 
         cfg = build_config(**settings)
         dry_run = cfg.dry_run
         try:
             if dry_run:  # from the config alone: no weights, no tokens file, no process group
-                from ..memory import dry_run as plan_dry_run
+                from ..memory.plan import dry_run as plan_dry_run  # lazy: keeps `voodoo --help` light
 
                 if launched_rank() == 0:
                     print_dry_run(console, plan_dry_run(tiny(cfg)))

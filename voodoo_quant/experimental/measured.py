@@ -21,7 +21,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 import torch.nn as nn
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 from ..training.objective import HeldAside, layer_of
 
 

@@ -30,7 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.utils import parametrize
 
-from ..layers import MixedQuant, _Mix
+from ..student.layers import MixedQuant, _Mix
 
 log = logging.getLogger(__name__)
 
@@ -171,6 +171,11 @@ class RoutedModule(nn.Module):
         self.mq = mq
         self.use = use
         self.router = router
+
+    @property
+    def stands_in_for(self) -> nn.Module:
+        """The module this one replaces (model/lm_head.py asks whether it is a Linear)."""
+        return self.inner
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         mq, r = self.mq, self.router

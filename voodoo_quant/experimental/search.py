@@ -43,7 +43,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from .. import fileio
+from ..core import fileio
 from ..training.objective import HeldAside, Measurement, layer_of
 from ..training.rungs import Rungs, serve, total_bytes, types_of
 

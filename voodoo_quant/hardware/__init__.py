@@ -10,7 +10,9 @@
 from .attention import AttentionChoice, attention_backend
 from .detect import CPU, CUDA, ROCM, Accelerator, detect
 from .device import available_devices, resolve_device
-from .envdefaults import EnvSetting, apply_env_defaults, env_defaults, env_settings, host_env_defaults, host_env_settings
+from .envdefaults import (
+    EnvSetting, apply_env_defaults, env_defaults, env_settings, host_env_defaults, host_env_settings,
+)
 from .probe import GPUInfo, TorchProbe, probe_torch
 
 __all__ = [

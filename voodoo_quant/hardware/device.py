@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 
-from ..errors import DeviceError
+from ..core.errors import DeviceError
 from .detect import ROCM, Accelerator, detect
 
 _CUDA_RE = re.compile(r"^cuda(?::(\d+))?$")

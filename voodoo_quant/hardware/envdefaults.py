@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 from typing import Mapping, MutableMapping
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 from .attention import attention_backend
 from .detect import CUDA, ROCM, Accelerator
 

@@ -3,7 +3,7 @@
 A kernel takes the packed blocks of a tensor as a ``(n_blocks, type_size)`` uint8 tensor and
 returns, on the same device, the blocks' :class:`.Affine` form (codes, scales, offsets: every
 quantized type) or ``(n_blocks, block)`` float32 (the float types). Block sizes and bytes per block come
-from the one type table (:mod:`voodoo_quant.qtypes`); nothing here re-declares them.
+from the one type table (:mod:`voodoo_quant.core.qtypes`); nothing here re-declares them.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Callable
 
 import torch
 
-from .. import qtypes as qt
-from ..errors import QuantizationInputError, UnknownQuantTypeError
+from ..core import qtypes as qt
+from ..core.errors import QuantizationInputError, UnknownQuantTypeError
 from .affine import Affine, expand
 
 Kernel = Callable[[torch.Tensor], "torch.Tensor | Affine"]

@@ -4,7 +4,7 @@ Every block type but the floats stores, per sub-block of a few weights, a float 
 some types an offset) and small integer codes; ``to_float`` computes ``scale * code`` (one
 rounding) and, where the type has one, adds the offset (a second rounding, never fused). The
 kernels return that form (:class:`Affine`) and :func:`expand` does the arithmetic, so the codes and
-scales that :mod:`voodoo_quant.compact` keeps are by construction the ones ``to_float`` uses.
+scales that :mod:`voodoo_quant.candidates.compact` keeps are by construction the ones ``to_float`` uses.
 
 A code is an integer in int8 range for every type (IQ1's ``grid + delta`` is stored as
 ``8 · (grid + delta)`` with the scale divided by 8: both exact, the same product).

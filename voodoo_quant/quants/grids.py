@@ -17,8 +17,8 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from .. import ggml
-from .. import qtypes as qt
+from ..core import ggml
+from ..core import qtypes as qt
 
 _F16_ONE = np.float16(1.0).view(np.uint16)  # 0x3C00
 

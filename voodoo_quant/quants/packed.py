@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .. import qtypes as qt
-from ..errors import QuantizationInputError
+from ..core import qtypes as qt
+from ..core.errors import QuantizationInputError
 from ._registry import dequantize, kernel
 
 

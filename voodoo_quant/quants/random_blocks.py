@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import qtypes as qt
+from ..core import qtypes as qt
 
 MODES: tuple[str, ...] = ("random", "zeros", "max", "subnormal", "negzero")
 

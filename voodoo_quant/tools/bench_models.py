@@ -39,9 +39,14 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
-from .. import envs, fileio
-from .. import qtypes as qt
-from ..errors import ConfigError, CorruptFileError, VoodooError
+from ..core import envs, fileio, ggml
+from ..core import qtypes as qt
+from ..core.errors import ConfigError, CorruptFileError, VoodooError
+from ..gguf.converter import vendored_gguf
+from ..gguf.layout import checkpoint_tensors
+from ..model import modeling
+from ..model.modeling import load_tokenizer
+from .teacher import DEGRID_BLOCKS, MakeTeacherConfig, make_teacher, save_hf_dir
 
 MODEL_NAME = "qwen2.5-coder-1.5b-instruct"
 UPSTREAM = "Qwen/Qwen2.5-Coder-1.5B-Instruct-GGUF (qwen2.5-coder-1.5b-instruct-q4_k_m.gguf)"
@@ -170,8 +175,6 @@ def assemble(parts: Sequence[Path], target: Path, *, size: int = GGUF_SIZE, sha2
 
 def requant_error(w: np.ndarray, qtype: str) -> float:
     """Relative RMSE of `w` (float32, 2-D) after a quantize-dequantize round trip through libggml."""
-    from .. import ggml
-
     lib = ggml.lib()
     d = lib.dequantize(lib.quantize(w, qtype, name=f"de-grid check ({qtype})"), qtype, w.shape)
     den = float(np.mean(np.square(w, dtype=np.float64)))
@@ -229,8 +232,6 @@ def _read_rows(st, key: str, spans: list[tuple[int, int]]) -> np.ndarray:
 def check_tensors(hf_dir: Path) -> list[str]:
     """2-D tensors the check looks at: every one outside the layers, and every one of the first,
     middle and last layer (each kind of projection, in both kinds of place it is shipped)."""
-    from ..layout import checkpoint_tensors
-
     shapes = {k: s for k, s in checkpoint_tensors(hf_dir).items() if len(s) == 2}
     layers = sorted({int(m.group(1)) for k in shapes if (m := re.search(r"\.layers\.(\d+)\.", k))})
     keep = {layers[0], layers[len(layers) // 2], layers[-1]} if layers else set()
@@ -303,8 +304,6 @@ def degrid_check(before_dir: Path, after_dir: Path, *, tensors: Sequence[str] | 
 
 
 def _weight_map(d: Path) -> dict[str, str]:
-    from ..layout import checkpoint_tensors
-
     idx = d / "model.safetensors.index.json"
     if idx.is_file():
         return dict(fileio.read_json(idx, what="safetensors index")["weight_map"])
@@ -325,8 +324,6 @@ class BenchModelsConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        from .teacher import DEGRID_BLOCKS
-
         self.root = Path(self.root) if self.root is not None else envs.cache_dir() / "bench-models" / MODEL_NAME
         if self.degrid_seed < 0:
             raise ConfigError(f"--degrid_seed must be >= 0, got {self.degrid_seed}")
@@ -376,8 +373,6 @@ class BenchModelsResult:
 
 
 def _n_weights(gguf: Path) -> int:
-    from ..converter import vendored_gguf
-
     return sum(int(t.n_elements) for t in vendored_gguf().GGUFReader(str(gguf)).tensors)
 
 
@@ -406,9 +401,6 @@ def prepare(cfg: BenchModelsConfig, log: Callable[[str], None] = lambda s: None)
         timed("gguf-to-hf", lambda: _gguf_to_hf(cfg.gguf, cfg.hf))
 
     if not (cfg.teacher_hf / "config.json").is_file():
-        from ..layout import checkpoint_tensors
-        from .teacher import MakeTeacherConfig, make_teacher
-
         n = sum(int(np.prod(s)) for s in checkpoint_tensors(cfg.hf).values())
         fileio.ensure_free_space(cfg.root, 4 * n * 2 + 2 * n + (1 << 30), what="the de-gridded teacher")
         if cfg.teacher_hf.exists():  # a dir without config.json: not ours to keep (save_hf_dir renames whole dirs)
@@ -457,10 +449,7 @@ def _earlier_timings(manifest: Path) -> dict[str, float]:
 def _gguf_to_hf(gguf: Path, out: Path) -> None:
     import torch
 
-    from ..modeling import load_model, load_tokenizer
-    from .teacher import save_hf_dir
-
     if out.exists():  # save_hf_dir renames whole dirs into place: this one is not ours
         raise BenchModelError(f"{out} exists without config.json; remove it and rerun")
-    model = load_model(gguf, dtype=torch.float32)
+    model = modeling.load_model(gguf, dtype=torch.float32)
     save_hf_dir(model, load_tokenizer(gguf), out)

@@ -11,7 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import ConfigError
+from ..core import fileio
+from ..core.errors import ConfigError
+from ..gguf import imatrix
+from ..gguf.layout import find_layout, model_layouts
+from ..model import modeling
+from ..training.models import load_into
 
 
 @dataclass
@@ -39,12 +44,7 @@ _NOT_RECORDED = ("output.weight", "token_embd.weight")
 def compute(cfg: ImatrixConfig):
     import torch
 
-    from .. import fileio, imatrix
-    from ..layout import find_layout, model_layouts
-    from ..modeling import load_model
-    from ..training.models import load_into
-
-    model = load_model(cfg.model, text_model_class=cfg.text_model_class, dtype=torch.float32)
+    model = modeling.load_model(cfg.model, text_model_class=cfg.text_model_class, dtype=torch.float32)
     if cfg.base_checkpoint:
         load_into(model, cfg.base_checkpoint, "base checkpoint")
     tokens = fileio.torch_load(cfg.tokens, what="tokens file")

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import fileio
+from ..core import fileio, ggml
 
+CARD_NAME = "README.md"  # the model card, in the ladder's output dir
 TAGS = ("gguf", "quantized", "llama.cpp", "imatrix", "voodoo_quant")
 
 
@@ -70,8 +71,6 @@ def tool_version() -> str:
 
 
 def render(ladder, files: dict[int, Path], result: dict[str, Any] | None) -> str:
-    from .. import ggml
-
     c, pre = ladder.cfg, ladder.pre
     name = c.model_name
     lic = c.license or pre.license or "other"
@@ -217,8 +216,6 @@ def command_line(c) -> str:
 
 
 def write_card(ladder, files: dict[int, Path], result: dict[str, Any] | None) -> Path:
-    from .quantize import CARD_NAME
-
     path = ladder.cfg.output_dir / CARD_NAME
     text = render(ladder, files, result)
     if not (path.is_file() and path.read_text(encoding="utf-8") == text):

@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from .. import fileio
-from ..errors import ConfigError, CorruptFileError, VoodooError
+from ..core import fileio
+from ..core.errors import ConfigError, CorruptFileError, VoodooError
+from ..model.modeling import load_tokenizer
 
 TRAIN_NAME = "train_tokens.pt"
 EVAL_NAME = "eval_tokens.pt"
@@ -217,8 +218,6 @@ def load_tokens(path: str | Path, *, what: str = "token file"):
 
 def make_data(cfg: DataConfig) -> DataResult:
     from rich.progress import Progress
-
-    from ..modeling import load_tokenizer
 
     eval_set = {Path(e).resolve() for e in cfg.eval_files}
     train_files: list[Path] = []

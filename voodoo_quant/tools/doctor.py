@@ -14,9 +14,9 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Mapping
 
-from .. import envs, paths
-from .. import qtypes as qt
-from ..errors import ConfigError, VoodooError
+from ..core import envs, paths
+from ..core import qtypes as qt
+from ..core.errors import ConfigError, VoodooError
 
 OK, WARN, MISSING = "ok", "warn", "missing"
 
@@ -66,8 +66,9 @@ def _python() -> Check:
 
 
 def _torch_and_hardware(cfg: DoctorConfig, environ: Mapping[str, str]) -> list[Check]:
+    # lazy: `voodoo --help` imports this module
     from ..hardware import attention_backend, detect, env_settings, probe_torch
-    from ..hardware.detect import torch_build
+    from ..hardware.detect import torch_build  # lazy: `voodoo --help` imports this module
 
     probe = probe_torch(environ)
     accel = detect(probe)
@@ -92,7 +93,7 @@ def _torch_and_hardware(cfg: DoctorConfig, environ: Mapping[str, str]) -> list[C
 
 
 def _libggml() -> list[Check]:
-    from .. import ggml
+    from ..core import ggml  # lazy: `voodoo --help` imports this module
 
     fix = "run `make bootstrap`, or set VOODOO_GGML_LIB to an existing libggml-base"
     try:
@@ -159,7 +160,7 @@ def _variables(environ: Mapping[str, str]) -> list[Check]:
 
 
 def _mix_kernel() -> list[Check]:
-    from .. import envs, mixkernel
+    from ..candidates import mixkernel  # lazy: `voodoo --help` imports this module
 
     try:
         lib = mixkernel.load()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib.metadata as md
 from pathlib import Path
 
-from ..errors import VoodooError
+from ..core.errors import VoodooError
 
 
 class MissingEmbeddedDataError(VoodooError):

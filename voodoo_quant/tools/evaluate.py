@@ -23,8 +23,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from .. import envs, fileio
-from ..errors import ConfigError, ToolFailedError
+from ..core import envs, fileio
+from ..core.errors import ConfigError, ToolFailedError
+from ..model import modeling
+from ..model.checkpoints import module_from_checkpoint
+from ..model.modeling import load_tokenizer
+from .data import load_tokens
 from .llama_tools import check_gguf, gguf_tensor_stats, last_error_line, run_tool
 
 # -- statistics --------------------------------------------------------------------------------
@@ -255,9 +259,6 @@ class GGUFEvalConfig:
 
 def detokenize(eval_tokens: Path, tokenizer_source: str | Path, out: Path) -> Path:
     """eval_tokens.pt as raw text for ``llama-perplexity -f`` (it tokenizes it again itself)."""
-    from ..modeling import load_tokenizer
-    from .data import load_tokens
-
     tokens = load_tokens(eval_tokens, what="eval tokens")
     tok = load_tokenizer(tokenizer_source)
     return fileio.write_text(out, tok.decode(tokens.reshape(-1).tolist()))
@@ -363,18 +364,13 @@ class TorchEvalConfig:
 
 def evaluate_torch_cli(cfg: TorchEvalConfig) -> EvalRow:
     """The CLI's torch path: student from ``--model``, teacher from ``--teacher_checkpoint``."""
-    from .data import load_tokens
-    from ..checkpoints import module_from_checkpoint
-
     tokens = load_tokens(cfg.eval_tokens, what="eval tokens")
     if cfg.max_sequences:
         tokens = tokens[: cfg.max_sequences]
     if str(cfg.model).endswith(".pt"):
         student = module_from_checkpoint(cfg.model)
     else:
-        from ..modeling import load_model
-
-        student = load_model(cfg.model)
+        student = modeling.load_model(cfg.model)
     teacher = module_from_checkpoint(cfg.teacher_checkpoint) if cfg.teacher_checkpoint else None
     row = evaluate_torch(student.to(cfg.device), tokens, teacher=None if teacher is None else teacher.to(cfg.device),
                          name=Path(cfg.model).name, batch_size=cfg.batch_size, device=cfg.device)

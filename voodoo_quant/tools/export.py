@@ -8,7 +8,7 @@ quantize that the assignment does not cover (its converter transform is not a pe
 is not a Linear/Embedding weight) as the tool's base type writes it (``BASE_TYPE``, Q8_0: counted
 and reported, never silently F32); every other tensor exactly as the converter wrote it.
 
-Before any work the assignment's provenance is checked (``voodoo_quant/provenance.py``): the
+Before any work the assignment's provenance is checked (``voodoo_quant/training/provenance.py``): the
 imatrix (taken from the assignment when ``--imatrix`` is not given), the libggml version, each
 tensor's menu; right after conversion, the hash of the float weights about to be quantized. Because the F32 GGUF tensor *is* ``layout.to_gguf(W)`` (proved per
 architecture in the tests), the exported bytes are the bytes the training candidate came from.
@@ -27,14 +27,16 @@ from typing import Any
 
 import numpy as np
 
-from .. import converter, faults, fileio, ggml, provenance
-from .. import qtypes as qt
-from ..assignment import Assignment
-from ..budget import BASE_TYPE, base_type_for
-from ..cache import CandidateCache
-from ..compensate import applies, quantize_compensated
-from ..errors import ConfigError, CorruptFileError, QuantizationInputError
-from ..layout import checkpoint_tensors, find_layout, ggml_n_dims, llama_quantize_allows, model_layouts
+from ..candidates.cache import CandidateCache
+from ..candidates.compensate import applies, quantize_compensated
+from ..core import faults, fileio, ggml
+from ..core import qtypes as qt
+from ..core.errors import ConfigError, CorruptFileError, QuantizationInputError
+from ..gguf import converter
+from ..gguf.layout import checkpoint_tensors, find_layout, ggml_n_dims, llama_quantize_allows, model_layouts
+from ..selection.assignment import Assignment
+from ..selection.budget import BASE_TYPE, base_type_for
+from ..training import provenance
 
 # llama.cpp's file-type guess (src/llama-model-loader.cpp): the ftype of the dominant type.
 _TYPE_TO_FTYPE = {
@@ -62,7 +64,7 @@ class ExportConfig:
     assignment: Path | Assignment
     output_dir: Path
     base_checkpoint: Path | None = None  # a state-dict .pt whose weights replace the safetensors'
-    imatrix: Path | Any | None = None  # imatrix file, or a loaded voodoo_quant.imatrix.Imatrix
+    imatrix: Path | Any | None = None  # imatrix file, or a loaded voodoo_quant.gguf.imatrix.Imatrix
     output_name: str | None = None  # file name; default <Model>.Voodoo<NN>_<BADGE>.gguf
     size_percent: int | None = None  # the standard size (Voodoo45 → 45) for the canonical name
     model_name: str | None = None  # <Model> in the name; default: the model dir's name

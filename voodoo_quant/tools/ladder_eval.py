@@ -13,9 +13,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from .. import fileio
+from ..core import fileio
 from .evaluate import EvalRow, detokenize, kld_base, kld_file, perplexity_args, plot_pareto
 from .manifest import digest
+
+EVAL_NAME = "eval.json"  # the ladder's measurements, in its output dir
+PLOT_NAME = "pareto.png"  # and their plot
 
 
 def _args(ladder) -> list[str]:
@@ -61,8 +64,6 @@ def evaluate_ladder(ladder, files: list[tuple[Path, str, int | None]]) -> dict[s
         "rows": rows,
     }
     out = c.output_dir
-    from .quantize import EVAL_NAME, PLOT_NAME
-
     # Rewritten only when the numbers changed: a rerun with nothing to do touches no file.
     if not ((out / EVAL_NAME).is_file() and (out / PLOT_NAME).is_file()
             and fileio.read_json(out / EVAL_NAME, what="eval JSON") == result):

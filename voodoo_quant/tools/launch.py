@@ -15,7 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-from ..errors import ConfigError, ToolFailedError
+from ..core.errors import ConfigError, ToolFailedError
+from ..hardware import detect
+from ..hardware.envdefaults import apply_env_defaults, env_defaults
 
 
 @dataclass
@@ -28,8 +30,6 @@ class TPLaunch:
 def check_inputs(cfg, nproc: int, *, dry_run: bool = False) -> None:
     """What the ranks will need, checked once here with a clear message (model, files, devices).
     A dry run needs only the model's config: no checkpoints, tokens or GPUs."""
-    from ..hardware import detect
-
     if nproc < 2:
         raise ConfigError(f"--nproc must be >= 2 for tensor parallelism, got {nproc} (use `voodoo train` on one device)")
     if cfg.tensor_parallel not in (1, nproc):
@@ -60,9 +60,6 @@ def check_inputs(cfg, nproc: int, *, dry_run: bool = False) -> None:
 
 def plan_launch(train_args: list[str], nproc: int, environ: Mapping[str, str] | None = None) -> TPLaunch:
     """The torchrun command line and environment for `nproc` ranks of ``voodoo train <train_args>``."""
-    from ..hardware import detect
-    from ..hardware.envdefaults import apply_env_defaults, env_defaults
-
     env = dict(os.environ if environ is None else environ)
     applied = apply_env_defaults(env_defaults(detect(), local_world_size=nproc), env)
     args = list(train_args)

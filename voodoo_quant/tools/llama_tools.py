@@ -12,8 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from .. import paths
-from ..errors import CorruptFileError, ToolFailedError
+from ..core import paths
+from ..core import qtypes as qt
+from ..core.errors import CorruptFileError, ToolFailedError, VoodooError
+from ..gguf.imatrix import _gguf_header
 
 
 @dataclass(frozen=True)
@@ -79,10 +81,6 @@ def _tensors(path: Path, what: str) -> list[tuple[str, int, int, int]]:
     :func:`check_gguf` says."""
     import math
     import struct
-
-    from .. import qtypes as qt
-    from ..errors import VoodooError
-    from ..imatrix import _gguf_header
 
     path = Path(path)
     try:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from .. import fileio
+from ..core import fileio
 
 
 def digest(obj: Any) -> str:

@@ -5,14 +5,14 @@ that IQ types take to initialize are paid once per worker). A second run finds e
 cached and returns in seconds; training then starts without quantizing anything.
 
 At scale: the weights are read one tensor at a time (a skeleton model and a
-:class:`~voodoo_quant.lazyload.WeightReader`, never the whole float model), and ``--shard i/n``
+:class:`~voodoo_quant.model.lazyload.WeightReader`, never the whole float model), and ``--shard i/n``
 splits the tensors over n processes or hosts writing one cache directory (a shared file system):
 each computes the same cost-balanced split and builds only its part; the n parts together are
 exactly the entries one run builds, and concurrent writers keep the cache consistent
-(:meth:`voodoo_quant.cache.CandidateCache.put`).
+(:meth:`voodoo_quant.candidates.cache.CandidateCache.put`).
 
 With ``--error_compensation gptq`` the candidates are the compensated ones a training run builds
-(voodoo_quant/compensate.py), from the run's Hessians: ``<output_dir>/hessians.safetensors`` when
+(voodoo_quant/candidates/compensate.py), from the run's Hessians: ``<output_dir>/hessians.safetensors`` when
 its key says it was collected from the same inputs (the same ``--model``, weights, planned
 tensors and calibration sequences), else collected as train collects them (the first
 ``--compensation_sequences`` of the training split of ``<data_dir>/<data_name>``, one decoder layer
@@ -25,10 +25,24 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from .. import envs
-from ..errors import ConfigError
-from ..menus import DEFAULT_CANDIDATES, MenuConfig, default_fill
+from ..arch import adapter_for
+from ..candidates.cache import CandidateCache
+from ..candidates.compensate import SWEEPS, QuantInputs, compensations
+from ..candidates.hessian_store import FILE, load_hessians, read_key
+from ..candidates.precache import build_all, job_cost, parse_shard, split_by_cost
+from ..core import envs
+from ..core.errors import ConfigError
+from ..gguf import imatrix as im
+from ..model import modeling
+from ..model.lazyload import WeightReader, text_skeleton
+from ..selection.menus import DEFAULT_CANDIDATES, MenuConfig, default_fill
+from ..student.build import converter_layouts, plan_model, selectable_weights
+from ..training.compensation import write_if_missing
 from ..training.config import TrainConfig
+from ..training.hessians import hessian_key
+from ..training.models import load_into
+from ..training.provenance import model_weights_sha256
+from ..training.setup import _ReaderWeights, _jobs, hold_aside, imatrix_vectors, load_tokens
 
 _TRAIN = {f.name: f.default for f in fields(TrainConfig)}  # the settings the run's Hessians are keyed by
 
@@ -71,14 +85,10 @@ class PrecacheConfig:
                 raise ConfigError(f"{flag} must be an integer >= {lo}, got {v!r}")
         if not (isinstance(self.compensation_damp, (int, float)) and 0 < self.compensation_damp < 1e3):
             raise ConfigError(f"--compensation_damp must be a number > 0, got {self.compensation_damp!r}")
-        from ..compensate import SWEEPS
-
         if self.compensation_sweep not in SWEEPS:
             raise ConfigError(f"--compensation_sweep must be one of {', '.join(SWEEPS)}, got {self.compensation_sweep!r}")
         if self.workers is not None and self.workers < 1:
             raise ConfigError(f"--workers must be >= 1, got {self.workers}")
-        from ..precache import parse_shard
-
         parse_shard(self.shard)
         if self.fill_menus is None:
             self.fill_menus = default_fill(self.candidate_types, self.attention_candidates, self.non_attention_candidates)
@@ -96,39 +106,24 @@ class PrecacheConfig:
 
 def precache(cfg: PrecacheConfig, *, progress: bool = True):
     """Build every candidate of every selectable tensor (of this ``--shard``); returns the BuildReport."""
-    import torch
-
-    from ..arch import adapter_for
-    from ..cache import CandidateCache
-    from ..precache import build_all, job_cost, parse_shard, split_by_cost
-    from ..student import converter_layouts, plan_model, selectable_weights
-    from ..training.models import load_into
-    from ..training.setup import _ReaderWeights, _jobs, imatrix_vectors
+    import torch  # lazy: `voodoo precache --help` loads no torch
 
     if Path(cfg.model).is_dir() and any(Path(cfg.model).glob("*.safetensors")):
-        from ..lazyload import WeightReader, text_skeleton
-
         model = text_skeleton(cfg.model, cfg.text_model_class)  # no weight is read until a job needs it
         reader = WeightReader(cfg.model, model, checkpoint=cfg.base_checkpoint)
     else:
-        from ..modeling import load_model
-
-        model = load_model(cfg.model, text_model_class=cfg.text_model_class, dtype=torch.float32)
+        model = modeling.load_model(cfg.model, text_model_class=cfg.text_model_class, dtype=torch.float32)
         if cfg.base_checkpoint:
             load_into(model, cfg.base_checkpoint, "base checkpoint")
         reader = None
     imx = None
     if cfg.imatrix:
-        from .. import imatrix as im
-
         imx = im.load(cfg.imatrix)
     adapter = adapter_for(model.config)
     plans = plan_model(model, adapter, cfg.menus, imatrix_names=set(imx.entries) if imx else None,
                        layout_for=converter_layouts(cfg.model))
     vectors = imatrix_vectors(imx, plans)
     if cfg.error_compensation != "none":
-        from ..compensate import QuantInputs
-
         if reader is not None:
             model.voodoo_reader = reader  # a skeleton: the Hessians are collected layer by layer
         vectors = QuantInputs(vectors, run_compensations(cfg, model, plans, progress=progress))
@@ -149,12 +144,6 @@ def run_compensations(cfg: PrecacheConfig, model, plans, *, progress: bool = Fal
     """HF name -> Compensation of the training run: its Hessians file, reused when its key
     matches (the key of every planned tensor, before any ``--shard`` takes its part), else
     collected on the calibration sequences train takes and written to ``<output_dir>``."""
-    from ..compensate import compensations
-    from ..hessian_store import FILE, load_hessians, read_key
-    from ..provenance import model_weights_sha256
-    from ..training.hessians import hessian_key, write_if_missing
-    from ..training.setup import hold_aside, load_tokens
-
     path = Path(cfg.output_dir) / FILE
     data = Path(cfg.data_dir) / cfg.data_name
     if not data.is_file():

@@ -17,9 +17,15 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import envs, fileio
-from .. import qtypes as qt
-from ..errors import ConfigError
+from ..arch import adapter_for
+from ..candidates.cache import default_root
+from ..core import envs, fileio, paths
+from ..core import qtypes as qt
+from ..core.errors import ConfigError
+from ..gguf.converter import vendored_gguf
+from ..model.modeling import load_config, resolve_text_class, source_identity
+from ..student.build import IdentityLayout, converter_layouts, plan_model, selectable_weights
+from .data import DataInputError, expand_input, read_documents
 
 # llama-imatrix records no vector for these (tools/imatrix/imatrix.cpp; tools/calibrate.py).
 _NOT_RECORDED = ("output.weight", "token_embd.weight")
@@ -40,8 +46,6 @@ class Preflight:
 
 
 def _hash_texts(inputs: list[str], glob: str) -> list[list[str]]:
-    from .data import DataInputError, expand_input, read_documents
-
     files = [f for item in inputs for f in expand_input(item, glob)]
     docs, sources = read_documents(files, "text")  # reads every file: unreadable / non-UTF-8 text fails here
     if inputs and not docs:
@@ -52,8 +56,6 @@ def _hash_texts(inputs: list[str], glob: str) -> list[list[str]]:
 def source_sha(src: Path, work: Path) -> str:
     """The source's content hash (modeling.source_identity), remembered by its files' stamps so
     that a rerun does not hash a large model again."""
-    from ..modeling import source_identity
-
     files = [src] if src.is_file() else sorted(f for f in src.iterdir() if f.is_file())
     stamp = [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
     memo = work / "manifests" / "source.json"
@@ -72,8 +74,6 @@ def source_sha(src: Path, work: Path) -> str:
 def _meta_model(src: Path, text_model_class: str | None):
     import torch
 
-    from ..modeling import load_config, resolve_text_class
-
     cls, text_cfg = resolve_text_class(load_config(src), text_model_class)
     with torch.device("meta"):
         return cls(text_cfg)
@@ -83,9 +83,6 @@ def reachable(src: Path, menus, text_model_class: str | None = None) -> tuple[in
     """(uniform-Q8_0 bytes, cheapest bytes, richest bytes, parameters, bytes of every candidate) of
     the selectable tensors under `menus`, planned as training plans them (with an imatrix: the
     ladder always makes one)."""
-    from ..arch import adapter_for
-    from ..student import IdentityLayout, converter_layouts, plan_model, selectable_weights
-
     model = _meta_model(src, text_model_class)
     adapter = adapter_for(model.config)
     layout_for = converter_layouts(str(src)) if src.is_dir() else None
@@ -95,7 +92,7 @@ def reachable(src: Path, menus, text_model_class: str | None = None) -> tuple[in
         lay = layout_for(name, shape) if layout_for else IdentityLayout(adapter.gguf_name(name), shape)
         if lay is not None and lay.gguf_name and lay.gguf_name not in _NOT_RECORDED:
             covered.add(lay.gguf_name)
-    quiet = logging.getLogger("voodoo_quant.student")
+    quiet = logging.getLogger("voodoo_quant.student.build")
     level = quiet.level
     quiet.setLevel(logging.ERROR)  # menu notes are the trainer's to log, once per size
     try:
@@ -123,8 +120,6 @@ def _source_card_fields(src: Path) -> tuple[str | None, str | None]:
     """(license, base model) the source declares: GGUF general.license / general.base_model.0.*,
     or an HF dir's README front matter."""
     if src.suffix.lower() == ".gguf":
-        from ..converter import vendored_gguf
-
         try:
             r = vendored_gguf().GGUFReader(str(src))
         except Exception:  # noqa: BLE001 - a card field is optional; the model itself loaded above
@@ -169,8 +164,6 @@ def _free_needs(cfg, q8: int, n_params: int, cache_need: int) -> dict[Path, tupl
             need += int(s / 100 * q8) + (4 << 20)
     if cfg.eval:
         need += sum(int(1.1 * q8) for q in cfg.stock if not any((work / "stock").glob(f"*.stock-{q}.gguf")))
-    from ..cache import default_root
-
     return {out: (need, "the ladder's outputs (" + ", ".join(parts + ["GGUFs"]) + ")"),
             default_root(): (cache_need, "the candidate cache")}
 
@@ -189,8 +182,6 @@ def check_space(needs: dict[Path, tuple[int, str]]) -> None:
 
 
 def preflight(cfg) -> Preflight:
-    from .. import paths
-
     out = cfg.output_dir
     fileio.ensure_writable(out)
     src = Path(cfg.model)

@@ -29,19 +29,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from .. import fileio
-from ..errors import ConfigError
-from ..menus import MenuConfig
-from ..settings import OUTPUT, key_dict
+from ..core import fileio
+from ..core import qtypes as qt
+from ..core.errors import ConfigError
+from ..core.settings import OUTPUT, key_dict
+from ..gguf.converter import convert
+from ..model.modeling import is_gguf
+from ..selection.menus import MenuConfig
 from ..training.config import SEQ_LEN, TrainConfig
+from .data import META_NAME, TRAIN_NAME, DataConfig, make_data
+from .data import EVAL_NAME as E
 from .manifest import Clock, Manifests, digest
 from .variant import Variant
 
 log = logging.getLogger(__name__)
 
-CARD_NAME = "README.md"
-EVAL_NAME = "eval.json"
-PLOT_NAME = "pareto.png"
 IMATRIX_NAME = "imatrix.gguf"
 FLOOR = "Q8_0"  # always measured: the KLD floor of every table
 # Train settings that are paths: a ladder step keys them by what they hold (teacher, data, imatrix)
@@ -97,9 +99,7 @@ class QuantizeConfig:
     base_model: str | None = None  # default: the source's own, else its name
 
     def __post_init__(self) -> None:
-        from .. import qtypes as qt
-        from ..modeling import is_gguf
-        from .export import canonical_name
+        from .export import canonical_name  # lazy: voodoo_quant.api imports this module
 
         self.output_dir = Path(self.output_dir)
         src = Path(self.model)
@@ -173,8 +173,6 @@ class QuantizeConfig:
 
 
 def _badges(sizes) -> list[str]:
-    from .. import qtypes as qt
-
     out = []
     for s in sizes:
         try:
@@ -187,8 +185,6 @@ def _badges(sizes) -> list[str]:
 def default_model_name(src: Path) -> str:
     """``MyModel`` of ``MyModel/`` or ``MyModel.Q4_1.gguf`` / ``MyModel-Q4_K_M.gguf``."""
     import re
-
-    from .. import qtypes as qt
 
     if src.suffix.lower() != ".gguf":
         return src.resolve().name
@@ -287,8 +283,6 @@ class Ladder:
 
     # -- steps ---------------------------------------------------------------------------------
     def data(self) -> None:
-        from .data import EVAL_NAME as E, META_NAME, TRAIN_NAME, DataConfig, make_data
-
         c = self.cfg
         d = self.data_dir
         inputs = {"source": self.pre.source_sha, "texts": self.pre.text_hashes, "eval_texts": self.pre.eval_hashes,
@@ -298,7 +292,7 @@ class Ladder:
             eval_files=c.eval_texts, glob=c.glob, seed=c.seed, progress=False)))
 
     def teacher(self) -> None:
-        from .teacher import MakeTeacherConfig, make_teacher
+        from .teacher import MakeTeacherConfig, make_teacher  # lazy: voodoo_quant.api imports this module
 
         c = self.cfg
         if not self.make_hf:  # an HF dir is its own float teacher: nothing to make
@@ -319,14 +313,12 @@ class Ladder:
         self.step("make-teacher", inputs, lambda: [self.teacher_hf / "config.json"], body)
 
     def reference_gguf(self) -> None:
-        from ..converter import convert
-
         ref = self.reference
         self.step("reference", {"teacher": self.keys["make-teacher"], "outtype": "f32"}, lambda: [ref],
                   lambda: fileio.write_with(ref, lambda tmp: convert(self.teacher_hf, tmp, outtype="f32")))
 
     def imatrix_step(self) -> None:
-        from .calibrate import ImatrixConfig, compute
+        from .calibrate import ImatrixConfig, compute  # lazy: voodoo_quant.api imports this module
 
         inputs = {"teacher": self.keys["make-teacher"], "data": self.keys["data"], "sequences": self.cfg.calib_sequences}
         self.step("imatrix", inputs, lambda: [self.imatrix], lambda: compute(ImatrixConfig(
@@ -334,7 +326,7 @@ class Ladder:
             max_sequences=self.cfg.calib_sequences, batch_size=4)))
 
     def cache(self) -> None:
-        from .precache import PrecacheConfig, precache
+        from .precache import PrecacheConfig, precache  # lazy: voodoo_quant.api imports this module
 
         c = self.cfg
         if c.train_config(c.sizes[0], self.teacher_hf).compensation != "none":
@@ -360,8 +352,8 @@ class Ladder:
         return f"Voodoo{size}" + (f"-{variant.name}" if variant is not None else "")
 
     def train(self, size: int, variant: Variant | None = None) -> None:
-        from ..hessian_store import FILE as HESSIANS_FILE
-        from ..training.sensitivity import TABLE_NAME
+        from ..candidates.hessian_store import FILE as HESSIANS_FILE  # lazy: voodoo_quant.api imports this module
+        from ..training.sensitivity import TABLE_NAME  # lazy: voodoo_quant.api imports this module
 
         name = self.run_name(size, variant)
         run = self.work / "runs" / name
@@ -405,7 +397,7 @@ class Ladder:
         return self.work / "teacher_hidden" / key
 
     def export(self, size: int, variant: Variant | None = None) -> Path:
-        from .export import ExportConfig, export
+        from .export import ExportConfig, export  # lazy: voodoo_quant.api imports this module
 
         name = self.run_name(size, variant)
         run = self.work / "runs" / name
@@ -426,7 +418,7 @@ class Ladder:
     def stock(self, recipe: str, pure: bool = False) -> Path:
         """``llama-quantize --imatrix`` of the reference to `recipe`; `pure` (``--pure``): the
         recipe's main type on every tensor, a uniform file."""
-        from .llama_tools import run_tool
+        from .llama_tools import run_tool  # lazy: voodoo_quant.api imports this module
 
         f = self.stock_file(recipe, pure)
         threads = str(self.pre.workers)
@@ -438,13 +430,13 @@ class Ladder:
         return f
 
     def evaluate(self, files: list[tuple[Path, str, int | None]]) -> dict[str, Any]:
-        from .ladder_eval import evaluate_ladder
+        from .ladder_eval import evaluate_ladder  # lazy: voodoo_quant.api imports this module
 
         return evaluate_ladder(self, files)
 
     # -- everything ----------------------------------------------------------------------------
     def run(self) -> QuantizeResult:
-        from .card import write_card
+        from .card import write_card  # lazy: voodoo_quant.api imports this module
 
         c = self.cfg
         self.data()
@@ -470,8 +462,8 @@ class Ladder:
 def run_training(tcfg, on_step: Callable[[], None], teacher_cache: Path | None):
     """`voodoo train` through TrainConfig + Trainer, the teacher behind the hidden-state cache in
     `teacher_cache` (None: no cache). Returns (TrainResult, the cache or None)."""
-    from ..training.teacher_cache import wrap_teacher
-    from ..training.trainer import Trainer
+    from ..training.teacher_cache import wrap_teacher  # lazy: voodoo_quant.api imports this module
+    from ..training.trainer import Trainer  # lazy: voodoo_quant.api imports this module
 
     trainer = Trainer(tcfg, on_step=lambda m: on_step(), progress=False)
     run = trainer.prepare()
@@ -492,7 +484,7 @@ def step_count(cfg: QuantizeConfig) -> int:
 def open_ladder(cfg: QuantizeConfig, *, progress: bool = False) -> Iterator[Ladder]:
     """A ladder whose steps the caller runs in its own order (benchmarks: variants, uniform
     files, evaluations of their own), after the same preflight as :func:`quantize`."""
-    from .preflight import preflight
+    from .preflight import preflight  # lazy: voodoo_quant.api imports this module
 
     pre = preflight(cfg)
     with _Display(progress, step_count(cfg)) as ui:
@@ -501,7 +493,7 @@ def open_ladder(cfg: QuantizeConfig, *, progress: bool = False) -> Iterator[Ladd
 
 def quantize(cfg: QuantizeConfig, *, progress: bool = True) -> QuantizeResult:
     """Run (or resume) the ladder; bad input is refused before any step starts."""
-    from .preflight import preflight
+    from .preflight import preflight  # lazy: voodoo_quant.api imports this module
 
     if progress:  # one display: the libraries' own per-file bars would break it up
         from transformers.utils import logging as hf_logging

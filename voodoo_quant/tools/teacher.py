@@ -2,7 +2,7 @@
 
 From an HF checkpoint dir (safetensors, sharded or not; read one tensor at a time, so the model
 is never held in float32) or from a GGUF file (loaded by transformers, see
-:mod:`voodoo_quant.modeling`; held once in float32) this writes
+:mod:`voodoo_quant.model.modeling`; held once in float32) this writes
 
 - the base ``.pt``: the text model's state dict in ``dtype`` (bfloat16 default);
 - the teacher ``.pt``: every 2-D weight as llama-quantize would store it in a Q8_0 file —
@@ -25,14 +25,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from .. import fileio
-from ..checkpoints import (  # noqa: F401  (the format lives in the core; re-exported for callers)
+from ..core import fileio, ggml
+from ..core.errors import ConfigError
+from ..gguf.converter import vendored_gguf
+from ..model import modeling
+from ..model.checkpoints import (  # noqa: F401  (the format lives in the core; re-exported for callers)
     BASE_FORMAT, TEACHER_FORMAT, entry_to_float, load_base, load_teacher, module_from_checkpoint, teacher_entry,
 )
-from ..modeling import (  # noqa: F401
-    ModelLoadError, _expected_keys, is_gguf, iter_hf_dir, resolve_text_class, source_identity, text_state_dict,
+from ..model.modeling import (
+    ModelLoadError, _expected_keys, is_gguf, iter_hf_dir, load_config, load_tokenizer, model_from_state_dict,
+    resolve_text_class, source_identity, text_state_dict,
 )
-from ..errors import ConfigError
 
 _DTYPES = ("bfloat16", "float32")
 DEGRID_BLOCK = 32
@@ -50,8 +53,6 @@ def degrid_block_for(model: str | Path) -> int:
     p = Path(model)
     if not is_gguf(p):
         return DEGRID_BLOCK
-    from ..converter import vendored_gguf
-
     types = {t.tensor_type.name for t in vendored_gguf().GGUFReader(p).tensors}
     return 16 if types & SIXTEEN_WEIGHT_SCALES else DEGRID_BLOCK
 
@@ -142,15 +143,12 @@ def make_teacher(cfg: MakeTeacherConfig) -> TeacherResult:
     import torch
     from rich.progress import Progress
 
-    from .. import ggml
-    from ..modeling import load_config, load_model, load_tokenizer
-
     src = Path(cfg.model)
     identity = source_identity(src).to_dict()
     base_dtype = getattr(torch, cfg.dtype)
     model = None
     if is_gguf(src):
-        model = load_model(src, dtype=torch.float32)
+        model = modeling.load_model(src, dtype=torch.float32)
         text_cfg, cls = model.config, type(model)
         tied = {k for k in model.state_dict() if k.endswith("lm_head.weight")} if text_cfg.tie_word_embeddings else set()
         items = [(k, v) for k, v in model.state_dict().items() if k not in tied]
@@ -194,8 +192,6 @@ def make_teacher(cfg: MakeTeacherConfig) -> TeacherResult:
     n_q8 = sum(1 for e in teacher.values() if e["type"] == "Q8_0")
     if cfg.hf_out is not None:
         if model is None:
-            from ..modeling import model_from_state_dict
-
             model = model_from_state_dict(cls, text_cfg, hf_sd, dtype=torch.float32)
         else:
             model.load_state_dict(hf_sd, strict=False)

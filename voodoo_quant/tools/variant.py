@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 from ..training.config import TrainConfig
 
 # What a Variant may not override: where the run reads and writes, and its size (the ladder's).

@@ -29,9 +29,10 @@ from typing import Mapping, Sequence
 
 import torch
 
-from ..budget import Budget
-from ..errors import ConfigError
-from ..menus import Upgrade, apply_upgrades, is_pinned
+from ..core.errors import ConfigError
+from ..selection.budget import Budget
+from ..selection.menus import Upgrade, apply_upgrades, is_pinned
+from .knapsack import polish
 
 
 @dataclass
@@ -123,8 +124,6 @@ def polish_baked(plans: Sequence, table: Mapping[str, Sequence[float]], res: Bak
                  upgrades: Sequence[Upgrade] = ()):
     """``knapsack.polish`` of a bake inside the dead zone: `res` takes the polished choice and
     bytes; returns the polish's result."""
-    from .knapsack import polish
-
     pol = polish(plans, table, res.choice, lower=budget.target_bytes * (1 - budget.tolerance),
                  upper=budget.upper_bytes, upgrades=upgrades)
     res.choice, res.total_bytes = pol.choice, pol.total_bytes

@@ -9,11 +9,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import qtypes as qt
-from ..errors import ConfigError
-from ..menus import DEFAULT_CANDIDATES, MenuConfig, default_fill, parse_upgrades
-from ..settings import ADVANCED, EXPERIMENTAL, NOTHING, OUTPUT, TRAINING, key_dict, setting, unchanged_by
-from ..sizes import parse_size
+from ..core import qtypes as qt
+from ..core.errors import ConfigError
+from ..selection.menus import DEFAULT_CANDIDATES, MenuConfig, default_fill, parse_upgrades
+from ..core.settings import ADVANCED, EXPERIMENTAL, NOTHING, OUTPUT, TRAINING, key_dict, setting, unchanged_by
+from ..core.sizes import parse_size
 
 # Tokens per training sequence, shared by every command that trains (train, quantize, the API):
 # one default per idea. `voodoo data` keeps its own (2048): it tokenizes a corpus once for any
@@ -212,7 +212,7 @@ class TrainConfig:
         if not isinstance(self.compensation_sequences, int) or isinstance(self.compensation_sequences, bool) \
                 or self.compensation_sequences < 1:
             raise ConfigError(f"--compensation_sequences must be an integer >= 1, got {self.compensation_sequences!r}")
-        from ..compensate import SWEEPS
+        from ..candidates.compensate import SWEEPS  # lazy: `voodoo --help` builds train's options from this module
 
         if self.compensation_sweep not in SWEEPS:
             raise ConfigError(f"--compensation_sweep must be one of {', '.join(SWEEPS)}, got {self.compensation_sweep!r}")

@@ -10,7 +10,8 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from ..menus import is_pinned
+from ..selection.menus import is_pinned
+from ..student.build import ShardedPacked
 from .guarantee import Candidate, pin, rung_bytes
 from .objective import HeldAside, TPHeldAside
 from .rungs import Rungs, menu_rungs, release, serve, types_of
@@ -37,8 +38,6 @@ class Outcome:
 def _extra_weights(plan, held: Mapping[str, object], device: torch.device) -> Callable[[str], torch.Tensor]:
     """An off-menu type -> its weight on `device`, dequantized from what the run holds: the whole
     tensor's bytes, or a tensor-parallel rank's shard of them (``student.ShardedPacked``)."""
-    from ..student import ShardedPacked
-
     def make(qtype: str) -> torch.Tensor:
         h = held[qtype]
         return (h(0) if isinstance(h, ShardedPacked) else plan.dequantize(h, qtype)).to(device)

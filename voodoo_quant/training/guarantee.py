@@ -6,7 +6,7 @@ is measured on the held-aside calibration split (``objective.HeldAside``) beside
 - ``uniform <T>``: every tensor the same type T (through llama.cpp's fallback for its rows), the
   largest uniform files that fit;
 - ``stock <FTYPE>``: the types stock ``llama-quantize`` writes per tensor for an ftype
-  (``voodoo_quant/recipes.py``, its rules reproduced and tested against the tool), the largest
+  (``voodoo_quant/gguf/recipes.py``, its rules reproduced and tested against the tool), the largest
   recipes that fit;
 - ``knapsack``: the one-shot sensitivity knapsack (``knapsack.greedy_layout``) up to the upper
   bound, and ``knapsack+polish``: the assignment ``--method sensitivity`` writes (the greedy layout
@@ -33,8 +33,9 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
-from .. import qtypes as qt
-from ..menus import is_pinned
+from ..core import qtypes as qt
+from ..gguf import recipe_inputs, recipes
+from ..selection.menus import is_pinned
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +72,6 @@ def rung_bytes(plan, qtype: str) -> int:
 def stock_provider(plans: Sequence, config, has_imatrix: bool) -> Callable[[str], Mapping[str, str] | None]:
     """ftype -> {tensor: type} stock llama-quantize writes for this model (``recipes.py``), or
     None where the tool would refuse the ftype (it needs an imatrix the run lacks)."""
-    from .. import recipe_inputs, recipes
-
     def stock(ftype: str) -> Mapping[str, str] | None:
         try:
             return recipe_inputs.stock_types(plans, config, ftype, has_imatrix=has_imatrix)

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from .. import fileio
-from ..errors import ConfigError, CorruptFileError
+from ..core import fileio
+from ..core.errors import ConfigError, CorruptFileError
 
 JOURNAL_NAME = "partial.pt"
 JOURNAL_VERSION = 1
@@ -44,7 +44,7 @@ class JournalState:
 
 def compensation_of(record: dict[str, Any] | None) -> dict[str, Any]:
     """The identity of a run's error compensation, from its provenance record
-    (``training/hessians.ensure``; None: no compensation): what a resume must find unchanged."""
+    (``training/compensation.ensure``; None: no compensation): what a resume must find unchanged."""
     if not record:
         return {"method": "none"}
     return {"method": str(record["method"]), "damp": float(record["damp"]), "hessians": str(record["key"])}

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from ..menus import Upgrade, is_pinned
+from ..selection.menus import Upgrade, is_pinned
 
 
 def _hull(sizes: Sequence[int], s: Sequence[float]) -> list[int]:

@@ -17,7 +17,7 @@ sensitivity pass's road (:mod:`.layerwise`):
 3. **Layers.** Layer by layer: its weights read (float32, onto `device`), run without a graph on
    every batch with the hooks of the whole-model collection on its Linears, its output kept on
    the host as the next layer's input, the layer released; its Hessians written to the file
-   (each at its declared offset: :func:`voodoo_quant.hessian_store.write_hessians`) and freed.
+   (each at its declared offset: :func:`voodoo_quant.candidates.hessian_store.write_hessians`) and freed.
 4. **Head.** The model's own code after the layers (final norm, LM head) on the last hidden
    states: the LM head's input (a tied embedding's Hessian) is taken as it enters the head, and
    no logits are computed.
@@ -39,8 +39,9 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from ..errors import ConfigError
-from ..parallel import decoder_layers
+from ..core.errors import ConfigError
+from ..core.units import GB
+from ..distributed.parallel import decoder_layers
 from .hessians import Collection, accumulating_hook, compensable, in_gguf_order, reader, shared_inputs, stored_layout
 from .layerwise import _buffers_to, _layer_index, _layers_replaced, _materialize, _params, _release, _restored, record
 
@@ -212,8 +213,6 @@ def phase_bytes(cfg, model: nn.Module, plans: Sequence) -> tuple[float, float, s
     head, whichever is larger, the largest layer's n² float32 accumulators (a tensor reading
     an input another one reads counted apart: an upper bound) and one batch's activations through
     a layer (its input, q/k/v, and the MLP's three intermediate-wide products, float32)."""
-    from ..memory import GB
-
     prefix, layers = decoder_layers(model)
     text = model.config.get_text_config()
     hidden = text.hidden_size

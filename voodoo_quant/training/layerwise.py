@@ -37,8 +37,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..errors import ConfigError
-from ..parallel import decoder_layers
+from ..core.errors import ConfigError
+from ..distributed.parallel import decoder_layers
 from .fisher import FisherHooks, curvature, module_uses, sample_labels
 
 log = logging.getLogger(__name__)

@@ -22,9 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-# Config attributes that make `logits != lm_head(hidden)`; their presence (non-trivial) disables chunking.
-LOGIT_TRANSFORMS = ("final_logit_softcapping", "attn_logit_softcapping_final", "logit_scale", "logits_scaling",
-                    "output_multiplier_scale", "logit_softcapping", "mup_width_multiplier")
+from ..model.lm_head import chunk_reason, is_routed_linear
 
 
 def full_losses(s_logits: torch.Tensor, t_logits: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,36 +34,6 @@ def full_losses(s_logits: torch.Tensor, t_logits: torch.Tensor, ids: torch.Tenso
     t_log = F.log_softmax(t, dim=-1)
     kl = (t_log.exp() * (t_log - s_log)).sum(-1).mean()
     return ce, kl
-
-
-def _config_transforms_logits(config) -> str | None:
-    for attr in LOGIT_TRANSFORMS:
-        v = getattr(config, attr, None)
-        if v not in (None, 0, 0.0, 1, 1.0, False):
-            return attr
-    return None
-
-
-def chunk_reason(model: nn.Module) -> str | None:
-    """None when the chunked path computes exactly the model's own logits, else why not."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if head is None:
-        return "the model has no output embedding (LM head)"
-    if not isinstance(head, nn.Linear) and not _is_routed_linear(head):
-        return f"the LM head is a {type(head).__name__}, not a Linear"
-    prefix = getattr(model, "base_model_prefix", None)
-    if not prefix or not isinstance(getattr(model, prefix, None), nn.Module):
-        return "the model exposes no base model to return hidden states"
-    attr = _config_transforms_logits(getattr(model, "config", None))
-    if attr is not None:
-        return f"its config transforms the logits ({attr})"
-    return None
-
-
-def _is_routed_linear(mod: nn.Module) -> bool:
-    from ..experimental.routing import RoutedModule
-
-    return isinstance(mod, RoutedModule) and isinstance(mod.inner, nn.Linear)
 
 
 def _hidden(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -123,7 +91,7 @@ def distill_terms(
     h = _hidden(student, ids)[:, :-1].reshape(n_pred, -1)
     shead = _head_of(student)
     tgt = ids[:, 1:].reshape(-1)
-    if _is_routed_linear(shead):
+    if is_routed_linear(shead):
         head, w, b = shead, None, None
     else:
         head, w, b = None, shead.weight, shead.bias  # the mixture once, reused by every chunk

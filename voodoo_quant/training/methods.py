@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 from . import journal
 from .bake import bake_and_polish
 from .knapsack import greedy_layout

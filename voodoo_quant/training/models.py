@@ -2,7 +2,7 @@
 
 Loaded whole (a float teacher shares the base's float32 tensors: :func:`float_teacher`; a Q8_0
 or checkpoint teacher is its own copy) or as skeletons that read their tensors one at a time
-(:mod:`voodoo_quant.lazyload`), and the teacher split for a tensor-parallel rank
+(:mod:`voodoo_quant.model.lazyload`), and the teacher split for a tensor-parallel rank
 (:func:`shard_teacher`). What the run builds from them (plans, budget, gates) is in
 :mod:`.setup`."""
 
@@ -15,10 +15,16 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from .. import fileio, ggml
-from ..errors import CorruptFileError
-from ..student import selectable_weights
+from ..core import fileio, ggml
+from ..core import qtypes as qt
+from ..core.errors import CorruptFileError
+from ..distributed.parallel import apply_tp
+from ..model import modeling
+from ..model.checkpoints import TEACHER_FORMAT, load_teacher, teacher_entry
+from ..model.lazyload import WeightReader, meta_names, set_tensor, text_skeleton
+from ..student.build import selectable_weights
 from .config import TrainConfig
+from .teacher_q8 import is_q8_entry, pack_teacher, packs_teacher, shard_entry
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -27,18 +33,14 @@ def load_models(cfg: TrainConfig, dtype: torch.dtype, *, sharded: bool = False) 
     """(student base, frozen teacher), both in eval mode on the CPU.
 
     With `sharded` (a tensor-parallel rank, or one process with ``--lazy``) both are skeletons
-    (:mod:`voodoo_quant.lazyload`): no weight is read here; ``setup.build_student`` streams the
+    (:mod:`voodoo_quant.model.lazyload`): no weight is read here; ``setup.build_student`` streams the
     student's tensors one at a time into the candidate cache and keeps only this rank's shards,
     and :func:`shard_teacher` reads only the teacher's shards. Host memory is then one full tensor plus this rank's part of the model.
     Loaded whole, a float teacher shares the base's float32 tensors (:func:`float_teacher`): one
     float32 model, not two."""
     if sharded and can_load_sharded(cfg):
         return _skeletons(cfg)
-    from ..modeling import load_model
-
-    from .teacher_q8 import pack_teacher, packs_teacher
-
-    base = load_model(cfg.model, text_model_class=cfg.text_model_class, dtype=torch.float32)
+    base = modeling.load_model(cfg.model, text_model_class=cfg.text_model_class, dtype=torch.float32)
     if cfg.base_checkpoint:
         load_into(base, cfg.base_checkpoint, "base checkpoint")
     for p in base.parameters():
@@ -87,8 +89,6 @@ def can_load_sharded(cfg: TrainConfig) -> bool:
 
 
 def _skeletons(cfg: TrainConfig) -> tuple[nn.Module, nn.Module]:
-    from ..lazyload import WeightReader, text_skeleton
-
     base = text_skeleton(cfg.model, cfg.text_model_class)
     teacher = text_skeleton(cfg.model, cfg.text_model_class)
     base.voodoo_reader = WeightReader(cfg.model, base, checkpoint=cfg.base_checkpoint)
@@ -101,7 +101,7 @@ def _skeletons(cfg: TrainConfig) -> tuple[nn.Module, nn.Module]:
 
 
 def reader_of(model: nn.Module):
-    """The :class:`~voodoo_quant.lazyload.WeightReader` of a skeleton, else None (a loaded model)."""
+    """The :class:`~voodoo_quant.model.lazyload.WeightReader` of a skeleton, else None (a loaded model)."""
     return getattr(model, "voodoo_reader", None)
 
 
@@ -112,17 +112,13 @@ def sensitivity_model(cfg: TrainConfig, base: nn.Module, tp=None) -> nn.Module:
     (the others read the saved table)."""
     if reader_of(base) is None or (tp is not None and not tp.is_main) or cfg.sensitivity_kind == "fisher":
         return base
-    from ..modeling import load_model
-
-    full = load_model(cfg.model, text_model_class=cfg.text_model_class, dtype=torch.float32)
+    full = modeling.load_model(cfg.model, text_model_class=cfg.text_model_class, dtype=torch.float32)
     if cfg.base_checkpoint:
         load_into(full, cfg.base_checkpoint, "base checkpoint")
     return full
 
 
 def materialize(model: nn.Module, names, read) -> None:
-    from ..lazyload import set_tensor
-
     for name in names:
         set_tensor(model, name, read(name))
 
@@ -133,9 +129,6 @@ def shard_teacher(teacher: nn.Module, tp_plan, tp) -> None:
     rounded through ggml's Q8_0 first: on the shard's rows directly, as Q8_0 works row by row, or
     on the whole tensor when the split cuts the rows). With `tp` None (one process, ``--lazy``) a
     skeleton reads every tensor whole, the same way."""
-    from ..lazyload import meta_names
-    from ..parallel import apply_tp
-
     reader = reader_of(teacher)
     if reader is None:
         if tp is not None:
@@ -168,8 +161,6 @@ def shard_teacher(teacher: nn.Module, tp_plan, tp) -> None:
                 entries[n] = e
     materialize(teacher, [n for n in names if n not in entries], lambda n: read(n).to(dtype))
     if entries:
-        from .teacher_q8 import pack_teacher
-
         pack_teacher(teacher, entries, dtype)
     teacher.to(dtype)  # its float buffers too, as the whole-model path's teacher.to(dtype) does
     if tp is not None:  # every split tensor is already this rank's part: apply_tp only adds the collectives
@@ -182,9 +173,6 @@ def _q8_shard_entry(reader, name: str, params, sh, tp):
     blocks of a teacher checkpoint's entry, or of the float weight quantized like :func:`_q8`
     (a row shard directly, a column shard from the whole tensor); None where the row length
     falls back to F16 or the split cuts Q8_0 blocks (that shard stays dense)."""
-    from ..checkpoints import teacher_entry
-    from .teacher_q8 import is_q8_entry, shard_entry
-
     shape = tuple(params[name].shape) if name in params else None
     e = reader.entry(name)
     if e is None:  # a float source: quantize as _q8 does
@@ -199,8 +187,6 @@ def _q8_shard_entry(reader, name: str, params, sh, tp):
 
 def _q8(w: torch.Tensor, name: str) -> torch.Tensor:
     """`w` through llama.cpp-exact Q8_0 (fallback applied), row by row (rows of its last dim)."""
-    from .. import qtypes as qt
-
     lib = ggml.lib()
     m = np.ascontiguousarray(w.detach().float().reshape(-1, w.shape[-1]).numpy())
     q = qt.resolve_for_row("Q8_0", m.shape[1])
@@ -212,9 +198,6 @@ def load_into(model: nn.Module, path: str, what: str, *, q8_entries: bool = Fals
     (``voodoo-teacher/1``, packed Q8_0) into `model`, checking names and shapes first. With
     `q8_entries`, returns a teacher's packed Q8_0 entries of the selectable weights (to be held
     packed, training/teacher_q8.py); else {}."""
-    from ..checkpoints import TEACHER_FORMAT, load_teacher
-    from .teacher_q8 import is_q8_entry
-
     obj = fileio.torch_load(path, what=what)
     entries = {}
     if isinstance(obj, dict) and obj.get("format") == TEACHER_FORMAT:
@@ -241,9 +224,6 @@ def _quantize_teacher_q8(model: nn.Module, *, keep_entries: bool = False) -> dic
     """Replace every selectable weight by its llama.cpp-exact Q8_0 round trip (fallback applied).
     With `keep_entries`, the Q8_0 blocks of the weights that quantize to Q8_0 are returned
     instead (to be held packed: the same values, training/teacher_q8.py)."""
-    from ..checkpoints import teacher_entry
-    from .teacher_q8 import is_q8_entry
-
     entries = {}
     for name, (w, _) in selectable_weights(model).items():
         if keep_entries and is_q8_entry(e := teacher_entry(name, w.detach())):

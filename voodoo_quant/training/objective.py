@@ -32,8 +32,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .losses import chunk_reason, head_of, hidden_states
+from ..model.lm_head import chunk_reason
+from .losses import head_of, hidden_states
 from .rungs import RungSource, Rungs, serve
+from .tp_losses import teacher_hidden_states, tp_distill_terms
 
 
 TEACHER_CACHE_BYTES = 1 << 30
@@ -280,8 +282,6 @@ class TPHeldAside(HeldAside):
                          chunk_tokens=chunk_tokens, batch_size=1)
 
     def _prepare_teacher(self, teacher: nn.Module, tdev: torch.device) -> None:
-        from .tp_losses import teacher_hidden_states
-
         self.teacher, self.teacher_device = teacher, tdev
         hidden = teacher.get_output_embeddings().weight.shape[-1]
         n_pred = self.tokens.shape[0] * (self.tokens.shape[1] - 1)
@@ -290,8 +290,6 @@ class TPHeldAside(HeldAside):
             self._teacher = [teacher_hidden_states(teacher, ids.to(tdev)) for ids in self._batches()]
 
     def _kl_rows(self, ids: torch.Tensor, i: int, row0: int = 0) -> torch.Tensor:
-        from .tp_losses import tp_distill_terms
-
         _ce, kl = tp_distill_terms(self.student, self.teacher, ids, self.tp, chunk_tokens=self.chunk,
                                    teacher_device=self.teacher_device,
                                    teacher_hidden=self._teacher[i] if self._teacher else None)

@@ -3,22 +3,22 @@ the free references that fit the budget, their off-menu candidates, and the Fish
 every rung the search may serve. ``Trainer.prepare`` calls both once."""
 
 from __future__ import annotations
+from ..student.build import ShardedPacked
+from . import fisher, layerwise
+from .guarantee import plan_references, stock_provider
+from .knapsack import greedy_layout
+from .methods import sensitivity_choice
+from .setup import candidate_sources, extra_candidate_blobs, plan_shard, reader_weights
 
 
 def plan_references_for(run, base, vectors, imx, *, progress: bool = False) -> None:
     """The free references of the guarantee (``guarantee.plan_references``) and the candidates of
     their off-menu types, on `run`."""
-    from .guarantee import plan_references, stock_provider
-    from .setup import extra_candidate_blobs, reader_weights
-
     cfg = run.cfg
     if not cfg.guarantee:
         return
     knap = None
     if run.sensitivity is not None:
-        from .knapsack import greedy_layout
-        from .methods import sensitivity_choice
-
         knap = {"knapsack": greedy_layout(run.plans, run.sensitivity, run.budget.upper_bytes),
                 # what --method sensitivity writes: a different knapsack, and not always the worse one
                 "knapsack+polish" if cfg.polish else "knapsack at target": sensitivity_choice(run)}
@@ -40,9 +40,6 @@ def _rank_shard(run):
     holds the whole model's off-menu bytes."""
     import torch
 
-    from ..student import ShardedPacked
-    from .setup import plan_shard
-
     def keep(plan, qtype: str, blob: bytes):
         sh = plan_shard(run.tp_plan, plan)
         if sh is None:
@@ -56,9 +53,6 @@ def complete_curvature(run, base, vectors, sens, *, save: bool = True) -> None:
     """Curvature matrices over every rung the search may serve: the menu and the references'
     off-menu types (the Fisher diagonal is recomputed only if a stored table lacked them); with
     `save`, stored with the table so the next size of a ladder finds these rungs."""
-    from . import fisher, layerwise
-    from .setup import candidate_sources, extra_candidate_blobs, reader_weights
-
     cfg = run.cfg
     if run.curvature is None:
         return

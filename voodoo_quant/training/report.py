@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from .. import qtypes as qt
+from ..core import qtypes as qt
 
 
 def _mb(n: float) -> str:
@@ -42,7 +42,7 @@ def print_dry_run(console: Console, run) -> None:
     for note in getattr(run, "notes", ()):
         console.print(f"note: {note}")
     mem = getattr(run, "memory", None)
-    if mem is not None:  # voodoo_quant/memory.py
+    if mem is not None:  # voodoo_quant/memory/plan.py
         for line in mem.lines():
             console.print(line, highlight=False, markup=False)
 

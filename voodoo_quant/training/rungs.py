@@ -18,9 +18,9 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from .. import qtypes as qt
-from ..layers import MixedQuant, row_reader
-from ..menus import rung_key
+from ..core import qtypes as qt
+from ..selection.menus import rung_key
+from ..student.layers import MixedQuant, row_reader
 
 
 @dataclass

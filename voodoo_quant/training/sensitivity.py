@@ -25,7 +25,13 @@ from typing import Mapping, Sequence
 import torch
 import torch.nn as nn
 
-from .. import fileio
+from ..core import fileio
+from ..gguf.imatrix import vector_hash
+from . import fisher, layerwise
+from .fisher import curvature_table
+from ..experimental.measured import measured_table
+from .provenance import model_weights_sha256
+from .setup import candidate_sources, reader_weights
 
 log = logging.getLogger(__name__)
 
@@ -153,8 +159,6 @@ def table_key(plans: Sequence, tokens: torch.Tensor, model: str, *, weights_sha2
     imatrix vector each tensor's candidates are quantized with (another imatrix changes them), the
     error compensation they were quantized with, and the seed (the Fisher pass draws its labels from it; an output-error table without curvature
     does not use it, and is recomputed for another seed all the same)."""
-    from ..imatrix import vector_hash
-
     h = hashlib.sha256()
     h.update(json.dumps([[p.name, list(p.menu.types), list(p.sizes)] for p in plans]).encode())
     h.update(str(model).encode())
@@ -252,11 +256,6 @@ def ensure_table(cfg, base: nn.Module, plans: Sequence, vectors, tokens: torch.T
     float `base` (before the gates replace its weights) on the first ``--sensitivity_sequences``
     sequences, and saved there. ``fisher`` (downstream-aware, ``fisher.py``), ``output`` (each
     tensor's own output error, above) or ``measured`` (every rung's ΔKL measured, ``measured.py``)."""
-    from ..provenance import model_weights_sha256
-    from . import layerwise
-    from .fisher import curvature_table, fisher_diagonal
-    from .setup import candidate_sources, reader_weights
-
     kind = cfg.sensitivity_kind
     calib = tokens[: cfg.sensitivity_sequences]
     key = table_key(plans, calib, cfg.model, weights_sha256=model_weights_sha256(base, plans), vectors=vectors or {},
@@ -281,13 +280,11 @@ def ensure_table(cfg, base: nn.Module, plans: Sequence, vectors, tokens: torch.T
         if streamed:
             curv = layerwise.layerwise_curvature(base, plans, calib, blobs_for, seed=cfg.seed, device=device)
         else:
-            fish = fisher_diagonal(base, plans, calib, seed=cfg.seed)
+            fish = fisher.fisher_diagonal(base, plans, calib, seed=cfg.seed)
             curv = curvature_table(plans, weights, fish, blobs_for)
     if kind == "fisher":
         table = {n: [c["m"][k][k] for k in range(len(c["types"]))] for n, c in curv.items()}
     elif kind == "measured":
-        from ..experimental.measured import measured_table
-
         table = measured_table(base, plans, sources, calib, device=device, progress=progress)
     else:
         table = compute_table(base, plans, weights, sources, calib, device=device)

@@ -14,18 +14,26 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from .. import envs, fileio
 from ..arch import adapter_for
 from ..arch.base import ArchAdapter
-from ..budget import Budget, make_budget
-from ..compensate import compensation_of
-from ..errors import ConfigError, CorruptFileError
-from ..layers import MixBuffers, MixedQuant
-from ..student import (
-    TensorPlan, attach_all, build_mixed, candidate_bytes, fixed_tensors, plan_model, prior_logits, selectable_weights,
+from ..candidates.cache import CandidateCache
+from ..candidates.compensate import compensation_of
+from ..candidates.precache import CandidateJob, build_all
+from ..core import envs, fileio
+from ..core import qtypes as qt
+from ..core.errors import ConfigError, CorruptFileError
+from ..core.sizes import parse_size
+from ..gguf import imatrix as im
+from ..model.lazyload import meta_names, set_tensor
+from ..selection.budget import Budget, make_budget
+from ..student.build import (
+    TensorPlan, attach_all, build_mixed, candidate_bytes, candidate_jobs, converter_layouts, fixed_tensors, plan_model,
+    prior_logits, selectable_weights,
 )
+from ..student.layers import MixBuffers, MixedQuant
 from .config import TrainConfig
 from .models import materialize, reader_of
+from .target_size import other_bytes
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +77,6 @@ def reader_weights(model: nn.Module, plans):
 def load_imatrix(cfg: TrainConfig):
     if not cfg.imatrix:
         return None
-    from .. import imatrix as im
-
     return im.load(cfg.imatrix)
 
 
@@ -141,9 +147,6 @@ def plan_run(cfg: TrainConfig, model: nn.Module, imx=None) -> tuple[ArchAdapter,
     fixed = fixed_tensors(plans, layout_for)  # quantizable, not selectable: counted at the base type
     size = {}
     if cfg.target_size is not None:  # the whole file: what the rest of it takes comes off first
-        from ..sizes import parse_size
-        from .target_size import other_bytes
-
         size = {"file_bytes": parse_size(cfg.target_size, "--target_size"),
                 "other_bytes": other_bytes(cfg.model, plans, fixed)}
     budget = make_budget(
@@ -160,8 +163,6 @@ def plan_run(cfg: TrainConfig, model: nn.Module, imx=None) -> tuple[ArchAdapter,
 
 def _layout_provider(cfg: TrainConfig, adapter: ArchAdapter):
     """The layout map learned from llama.cpp's converter (GGUF names, rows, permutations)."""
-    from ..student import converter_layouts
-
     return converter_layouts(cfg.model)
 
 
@@ -176,8 +177,6 @@ def build_student(
     The dense selectable weights are dropped before the model moves to `device` (the candidates
     replace them), so the device never holds the float model; a skeleton's other tensors (norms,
     small projections) are read whole here and split later by :func:`parallel.apply_tp`."""
-    from ..lazyload import meta_names, set_tensor
-
     reader = reader_of(base)
     params = dict(base.named_parameters(remove_duplicate=False))
     weights = reader_weights(base, plans)
@@ -236,9 +235,6 @@ def candidate_sources(plans: list[TensorPlan], weights, vectors: dict[str, np.nd
     time (every candidate is built into the cache first unless `quantize` is given). With
     `hashes`, each (tensor, type) read gets the sha256 of its bytes there: the assignment records
     the chosen one's, and export checks what it writes against it."""
-    from ..cache import CandidateCache
-    from ..precache import build_all
-
     if quantize is not None:
         read = lambda p: candidate_bytes(p, weights[p.name], vectors, quantize)  # noqa: E731
     else:
@@ -255,10 +251,6 @@ def candidate_sources(plans: list[TensorPlan], weights, vectors: dict[str, np.nd
 
 def _jobs(plans, weights, vectors):
     """candidate_jobs, with each matrix read only when a job needs it for a reader's weights."""
-    from .. import qtypes as qt
-    from ..precache import CandidateJob
-    from ..student import candidate_jobs
-
     if not isinstance(weights, _ReaderWeights):
         return candidate_jobs(plans, weights, vectors)
     jobs = []
@@ -288,10 +280,6 @@ def extra_candidate_blobs(plans: list[TensorPlan], weights: dict[str, torch.Tens
     """(tensor, type) -> ggml bytes for types off a tensor's menu (the guarantee's references),
     through the same cache, quantizer and imatrix vector as the menu's candidates; with `keep`
     ((plan, type, bytes) -> what to hold), what it makes of each as it is read (a rank's shard)."""
-    from .. import qtypes as qt
-    from ..cache import CandidateCache
-    from ..precache import CandidateJob, build_all
-
     jobs = []
     for p in plans:
         types = sorted(wanted.get(p.name, ()))

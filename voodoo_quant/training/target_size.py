@@ -25,7 +25,9 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
+from ..gguf import converter
+from ..gguf.layout import model_layouts
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +45,6 @@ def _tensor_info_bytes(name: str, n_dims: int) -> int:
 
 def metadata_bytes(model_dir: str | Path) -> int:
     """The converter's header and key/values for `model_dir` (no tensor): a ``--vocab-only`` run."""
-    from .. import converter
-
     with tempfile.TemporaryDirectory(prefix="voodoo-target-size-") as tmp:
         out = converter.convert(model_dir, Path(tmp) / "vocab.gguf", extra=("--vocab-only",))
         return out.stat().st_size
@@ -52,8 +52,6 @@ def metadata_bytes(model_dir: str | Path) -> int:
 
 def file_tensors(model_dir: str | Path) -> dict[str, tuple[int, ...]]:
     """{GGUF name: shape (numpy order)} of every tensor the converter writes for `model_dir`."""
-    from ..layout import model_layouts
-
     unmapped: dict[str, tuple[int, ...]] = {}
     layouts = model_layouts(model_dir, min_dims=1, unmapped=unmapped)
     out = {lay.gguf_name: tuple(lay.gguf_shape) for lay in layouts.values()}

@@ -26,7 +26,8 @@ from types import SimpleNamespace
 import torch
 import torch.nn as nn
 
-from .. import fileio
+from ..core import fileio
+from ..model.lm_head import chunk_reason
 
 log = logging.getLogger(__name__)
 
@@ -97,8 +98,6 @@ class CachedTeacher(nn.Module):
 
     def __init__(self, teacher: nn.Module, cache: HiddenStateCache):
         super().__init__()
-        from .losses import chunk_reason
-
         why = chunk_reason(teacher)
         if why is not None:
             raise ValueError(f"the teacher's logits are not its head applied to its hidden states: {why}")
@@ -120,8 +119,6 @@ class CachedTeacher(nn.Module):
 def wrap_teacher(teacher: nn.Module, directory: str | Path) -> tuple[nn.Module, HiddenStateCache | None]:
     """(`teacher` behind a hidden-state cache in `directory`, the cache), or (`teacher`, None)
     with the reason logged where its logits are not ``head(hidden)``."""
-    from .losses import chunk_reason
-
     why = chunk_reason(teacher)
     if why is not None:
         log.info("teacher forward not cached: %s", why)

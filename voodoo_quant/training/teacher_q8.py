@@ -21,6 +21,8 @@ from typing import Any, Mapping
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from ..model.checkpoints import TEACHER_FORMAT
+from ..student.layers import chunk_rows
 
 BLOCK = 32  # weights per Q8_0 block (ggml-common.h QK8_0)
 _CLASSES: dict[type, type] = {}
@@ -47,8 +49,6 @@ def shard_entry(e: Mapping[str, Any], shard, rank: int, world: int) -> dict[str,
 def dequantize(qs: torch.Tensor, d16: torch.Tensor, dtype: torch.dtype, block_rows: int | None = None) -> torch.Tensor:
     """``d * qs`` in float32 (as ``checkpoints.entry_to_float``), cast to `dtype`, computed a block
     of rows at a time into the output (each element by the same operations: the same values)."""
-    from ..layers import chunk_rows
-
     rows, cols = qs.shape
     step = block_rows or chunk_rows((rows, cols))
     out = torch.empty((rows, cols), dtype=dtype, device=qs.device)
@@ -140,8 +140,6 @@ def packs_teacher(cfg) -> bool:
 
 def teacher_checkpoint_is_q8(path) -> bool:
     from pathlib import Path
-
-    from ..checkpoints import TEACHER_FORMAT
 
     if not Path(path).is_file():
         return False

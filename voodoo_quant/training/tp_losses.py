@@ -1,5 +1,5 @@
 """The distillation loss of a tensor-parallel rank: cross-entropy and KL(teacher ‖ student) from
-vocabulary-sharded LM heads (:mod:`voodoo_quant.parallel` splits them), with a distributed
+vocabulary-sharded LM heads (:mod:`voodoo_quant.distributed.parallel` splits them), with a distributed
 log-sum-exp, chunked over tokens and checkpointed per chunk like the single-device path
 (``losses.distill_terms``), which it equals up to float summation order."""
 
@@ -10,7 +10,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ..parallel import TPContext, tp_copy, tp_reduce
+from ..distributed.parallel import TPContext, tp_copy, tp_reduce
+from .losses import _hidden
 
 
 def _lse(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
@@ -43,8 +44,6 @@ def tp_distill_terms(student: nn.Module, teacher: nn.Module, ids: torch.Tensor, 
     :func:`voodoo_quant.training.losses.distill_terms` up to float summation order.
     `teacher_hidden`: the teacher's final hidden states of this batch, [tokens − batch, hidden],
     as :func:`teacher_hidden_states` gives them (kept by the caller: the teacher does not run)."""
-    from .losses import _hidden
-
     tdev = teacher_device or ids.device
     n_pred = ids.shape[0] * (ids.shape[1] - 1)
     with torch.no_grad():
@@ -69,7 +68,5 @@ def tp_distill_terms(student: nn.Module, teacher: nn.Module, ids: torch.Tensor, 
 def teacher_hidden_states(teacher: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """The teacher's final hidden states at every predicting position of `ids`, [n_pred, hidden]
     (replicated on every rank: the input of its vocabulary-sharded head)."""
-    from .losses import _hidden
-
     with torch.no_grad():
         return _hidden(teacher, ids)[:, :-1].reshape(ids.shape[0] * (ids.shape[1] - 1), -1)

@@ -10,6 +10,7 @@ outputs are written atomically to ``--output_dir``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -19,22 +20,39 @@ from typing import Callable
 
 import torch
 
-from .. import faults, fileio, layers, provenance
-from ..assignment import Assignment, TensorChoice
-from ..budget import size_penalty
-from ..errors import ConfigError
+from ..candidates.cache import default_root
+from ..candidates.compensate import QuantInputs
+from ..core import faults, fileio
+from ..core.errors import ConfigError
+from ..core.sizes import parse_size
+from ..distributed.device_map import apply_device_map, gate_sum, parse_device_map
+from ..distributed.parallel import TPContext, apply_tp, check_same_choice, plan_tp, sync_gate_grads
+from ..distributed.tp_checkpoint import install
+from ..hardware import resolve_device as _resolve
+from ..selection.assignment import Assignment, TensorChoice
+from ..selection.budget import size_penalty
+from ..student import layers
+from .. import experimental
 from ..experimental import routing
-from . import journal, methods
-from .references import complete_curvature, plan_references_for
-from .journal import StepMetrics, append_log as _append_log, read_log as _read_log
+from ..experimental.relaxation import RelaxationGap
+from . import journal, methods, provenance
 from .bake import BakeResult, bake, polish_baked
-from .losses import distill_terms
+from .compensation import ensure as ensure_compensation
 from .config import TrainConfig
-from .schedule import batch_indices, tau_at
+from .finalize import improve
+from .journal import StepMetrics
+from .journal import append_log as _append_log
+from .journal import read_log as _read_log
+from .losses import distill_terms
 from .models import TORCH_DTYPES, load_models, sensitivity_model, shard_teacher
+from .references import complete_curvature, plan_references_for
+from .schedule import batch_indices, tau_at
+from .sensitivity import ensure_table, load_stored
 from .setup import (
-    RunSetup, build_student, hold_aside, imatrix_vectors, load_imatrix, load_tokens, plan_run, plan_shard, tiny,
+    RunSetup, build_student, candidate_sources, hold_aside, imatrix_vectors, load_imatrix, load_tokens, plan_run,
+    plan_shard, reader_weights, tiny,
 )
+from .tp_losses import tp_distill_terms
 
 log = logging.getLogger(__name__)
 LOG_NAME = "train_log.jsonl"
@@ -52,8 +70,6 @@ class TrainResult:
 
 
 def resolve_device(spec: str) -> torch.device:
-    from ..hardware import resolve_device as _resolve
-
     return _resolve(spec)
 
 
@@ -90,8 +106,6 @@ class Trainer:
         check_scale_flags(cfg)
         tp = None
         if cfg.tensor_parallel > 1:
-            from ..parallel import TPContext
-
             tp = TPContext.current(cfg.tensor_parallel, "gloo" if cfg.device == "cpu" else "nccl")
         devices = _devices(cfg, tp)
         device = devices[0]
@@ -111,8 +125,6 @@ class Trainer:
         tp_plan = None
         compensation = None
         if tp is not None:
-            from ..parallel import plan_tp
-
             tp_plan = plan_tp(base, adapter, tp.world, plans)  # refuses a degree that cannot split, before work
         mixed = {}
         self.run = RunSetup(cfg, adapter, base, teacher, tokens, plans, budget, mixed, {}, device, dtype,
@@ -123,20 +135,15 @@ class Trainer:
             self.run.tokens, self.run.held_tokens, self.run.confirm_tokens = hold_aside(
                 tokens, cfg.search_sequences, cfg.search_confirm)
         if cfg.compensation != "none":  # also for a finalize: the assignment records what export redoes
-            from ..compensate import QuantInputs
-            from . import hessians
-
             # the training split, also where a finalize holds nothing aside: the Hessians (and
             # their key, which a resume checks) are those the trained candidates were built with
             calib = hold_aside(tokens, cfg.search_sequences, cfg.search_confirm)[0] if cfg.method == "gates" else tokens
-            comps, compensation = hessians.ensure(cfg, base, plans, calib,
-                                                  weights_sha256=self.run.provenance["weights_sha256"],
-                                                  progress=self.progress, device=device, tp=tp)
+            comps, compensation = ensure_compensation(cfg, base, plans, calib,
+                                                    weights_sha256=self.run.provenance["weights_sha256"],
+                                                    progress=self.progress, device=device, tp=tp)
             vectors = QuantInputs(vectors, comps)
         self.run.provenance["compensation"] = compensation
         if cfg.needs_sensitivity:
-            from .sensitivity import ensure_table
-
             need_curv = build and ((self.measures and cfg.searches) or (cfg.relaxation_gap and cfg.method == "gates"))
             with _main_first(tp):  # rank 0 computes and saves the table; the others load it
                 sens = ensure_table(cfg, sensitivity_model(cfg, base, tp), plans, vectors, self.run.tokens,
@@ -144,8 +151,6 @@ class Trainer:
                                     hashes=self.run.candidate_sha256)
             self.run.sensitivity, self.run.curvature = sens.table, sens.curvature
             if cfg.method == "sensitivity" and not self.run.candidate_sha256:  # a stored table read no candidate
-                from .setup import candidate_sources, reader_weights
-
                 read = candidate_sources(plans, reader_weights(base, plans), vectors, hashes=self.run.candidate_sha256)
                 for p in plans:
                     read(p)
@@ -165,12 +170,8 @@ class Trainer:
                 mixed.update(build_student(cfg, base, plans, budget, vectors, device, dtype, progress=self.progress,
                                            init_logits=init, tp=tp, tp_plan=tp_plan, hashes=self.run.candidate_sha256))
             if cfg.relaxation_gap and self.run.curvature:
-                from ..experimental.relaxation import RelaxationGap
-
                 self.run.gap = RelaxationGap(mixed, self.run.curvature)
             if tp is not None:
-                from ..parallel import apply_tp
-
                 apply_tp(base, tp_plan, tp, gated=mixed)
                 shard_teacher(teacher, tp_plan, tp)
                 self.run.tp_sharded = {p.name for p in plans if plan_shard(tp_plan, p) is not None}
@@ -178,8 +179,6 @@ class Trainer:
                 shard_teacher(teacher, None, None)  # a --lazy skeleton: read whole, one tensor at a time
             teacher.to(self.run.teacher_device)
             if len(devices) > 1 or cfg.device_map:
-                from ..device_map import apply_device_map
-
                 apply_device_map(base, devices)
                 if not cfg.teacher_device:
                     apply_device_map(teacher, devices)
@@ -188,8 +187,6 @@ class Trainer:
                 base.train()  # HF only checkpoints in training mode; the models have no dropout left active
                 _disable_dropout(base)
                 if tp is not None:  # each rank keeps 1/world of every layer's input (tp_checkpoint.py)
-                    from ..tp_checkpoint import install
-
                     install(base, tp)
         info = {"path": cfg.imatrix, "sha256": getattr(imx, "sha256", None), "covered": len(vectors)}
         self.run.imatrix_info = info
@@ -207,8 +204,6 @@ class Trainer:
         if runner is not None:
             _check_writable(self.cfg.out_dir)
             return runner(self)
-        from .. import experimental
-
         for exp in experimental.active(self.cfg):
             log.warning("experimental: %s (%s; measured no better than the default: %s)", exp.name, exp.what, exp.lab)
         run = self.run or self.prepare()
@@ -281,11 +276,7 @@ class Trainer:
             ce_m, kl_m = micro_backward(run, ids, router, acc_n)
             ce, kl, n_tok = ce + float(ce_m.detach()) / acc_n, kl + float(kl_m.detach()) / acc_n, n_tok + ids.numel()
         if run.tp is not None:  # the shards' contributions to each gate gradient, summed
-            from ..parallel import sync_gate_grads
-
             sync_gate_grads([mq.gates for n, mq in run.mixed.items() if n in run.tp_sharded], run.tp)
-        from ..device_map import gate_sum
-
         expected = gate_sum((mq.expected_bytes() for mq in run.mixed.values()), run.device)
         pen = size_penalty(expected, run.budget.train_target_bytes, cfg.size_tolerance, cfg.size_weight)
         gap = run.gap(run.device) if run.gap is not None else None  # after the TP sync: identical on every rank
@@ -335,21 +326,15 @@ class Trainer:
             polished = polish_baked(run.plans, run.sensitivity, res, run.budget, cfg.upgrades)
             choices.append(("gates+polish", dict(polished.choice)))
         if run.tp is not None:
-            from ..parallel import check_same_choice
-
             check_same_choice(res.choice, run.tp)
         by = {p.name: p for p in run.plans}
         types = {n: by[n].menu.types[k] for n, k in res.choice.items()}
         sizes = {n: by[n].sizes[k] for n, k in res.choice.items()}
         outcome = None
         if self.measures and trained:
-            from .finalize import improve
-
             outcome = improve(run, choices, on_eval=self.on_search)
             types, sizes = outcome.types, outcome.sizes
             if run.tp is not None:  # every rank measured the same values: the same winner, checked
-                from ..parallel import check_same_choice
-
                 check_same_choice(dict(types), run.tp)  # types: an off-menu reference may have won
         faults.hit("bake")
         tensors = {}
@@ -375,8 +360,6 @@ class Trainer:
         )
         asg.meta["pinned"] = len(res.pinned)
         if cfg.target_size is not None:  # the whole file's bytes asked for (training/target_size.py)
-            from ..sizes import parse_size
-
             asg.meta["target_size"] = parse_size(cfg.target_size)
         if outcome is not None:
             asg.meta["guarantee"] = outcome.report()
@@ -418,8 +401,6 @@ def micro_backward(run: RunSetup, ids: torch.Tensor, router, acc_n: int, *, per_
     """(CE, KL) of one micro-batch, with its share of the loss backpropagated into the gates.
     `per_layer` (default: :func:`mixes_per_layer`) mixes each layer's weights when it runs instead
     of once per step."""
-    import contextlib
-
     cfg = run.cfg
     if per_layer is None:
         per_layer = mixes_per_layer(run, router)
@@ -430,8 +411,6 @@ def micro_backward(run: RunSetup, ids: torch.Tensor, router, acc_n: int, *, per_
     with routing.routed(run.student, router):  # backward inside: checkpoint recomputes route too
         with contextlib.nullcontext() if per_layer else layers.cached(buffers):
             if run.tp is not None:
-                from .tp_losses import tp_distill_terms
-
                 ce_m, kl_m = tp_distill_terms(run.student, run.teacher, ids, run.tp,
                                               chunk_tokens=cfg.loss_chunk_size, teacher_device=run.teacher_device)
             else:
@@ -444,8 +423,6 @@ def micro_backward(run: RunSetup, ids: torch.Tensor, router, acc_n: int, *, per_
 def _devices(cfg: TrainConfig, tp) -> list[torch.device]:
     """The devices of this process: ``--device_map``'s list, or one device (a TP rank's own)."""
     if cfg.device_map:
-        from ..device_map import parse_device_map
-
         return [resolve_device(d) for d in parse_device_map(cfg.device_map)]
     spec = cfg.device
     if tp is not None and spec.startswith("cuda"):
@@ -458,8 +435,6 @@ def _devices(cfg: TrainConfig, tp) -> list[torch.device]:
 
 def _reload_curvature(run, sens) -> None:
     """A tensor-parallel rank after rank 0: the curvature rank 0 stored, off-menu rungs included."""
-    from .sensitivity import load_stored
-
     stored = load_stored(sens.path, sens.key) if sens.path is not None and sens.key is not None else None
     if stored is not None and stored[1] is not None:
         sens.curvature = run.curvature = stored[1]
@@ -509,8 +484,6 @@ def check_vocab(tokens: torch.Tensor, model, path: Path) -> None:
 
 def check_space(cfg: TrainConfig, plans) -> None:
     """Fail now, not hours later, if the candidate cache or the outputs cannot fit on disk."""
-    from ..cache import default_root
-
     cache_need = sum(sum(p.sizes) for p in plans)  # every candidate (cached ones counted too)
     n_gates = sum(len(p.sizes) for p in plans)
     out_need = (1 << 20) + 64 * n_gates  # journal (gates + Adam moments) + result .pt + JSON

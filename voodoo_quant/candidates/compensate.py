@@ -1,0 +1,321 @@
+"""Error compensation: the weights handed to llama.cpp's quantizer, adjusted so that each block's
+rounding error is absorbed by the columns not yet quantized (GPTQ's update, with libggml-base's
+own quantizer as the rounding oracle).
+
+A candidate stays what the product's contract says it is: the bytes libggml-base's
+``ggml_quantize_chunk`` writes for a float32 matrix, with the run's imatrix vector. With
+compensation that matrix is not the checkpoint's weight W but W', built block by block along the
+row (columns in GGUF order):
+
+    for each step of columns (see below):
+        Q   = to_float(quantize(W'[:, the block holding the step]))[:, step]   # the quantizer's rounding
+        E   = (W'[:, step] − Q) · U[step, step]⁻¹
+        W'[:, later] −= E · U[step, later]
+
+where U is the upper Cholesky factor of (H + λ·mean(diag H)·I)⁻¹ and H = Σ xᵀx over the layer's
+inputs on calibration text. This minimizes ‖(W − Ŵ) X‖² one block at a time (Frantar et al.,
+GPTQ, with a ggml block's columns fixed at once because they share a scale). A step is a block of
+32, or one 32-column sub-block of a 256-weight superblock. How the step's rounding Q is obtained
+is the sweep (:attr:`Compensation.sweep`):
+
+- ``"fixed"`` (:func:`_sweep_fixed`, the default): a 32-block is quantized by libggml-base as the
+  walk reaches it. A superblock of :data:`fixed_rounding.SWEEP_TYPES` (K-quants, IQ4_XS) is
+  quantized once, when the walk reaches it; its later steps are rounded in torch with that
+  quantization's scales held fixed, and W' holds the rounded values (values its scales represent,
+  which libggml-base quantizes back to nearly themselves, so the error passed on is the file's).
+  A grid IQ superblock (IQ1–IQ3) is quantized again at every step: libggml-base does not quantize
+  their rounded values back to themselves (measured: 8–36 % more layer error with a fixed-scale
+  oracle). float32, updates applied a group at a time; the factor from one Cholesky of the
+  order-reversed H. Cost per candidate (``bench/compensation_cost.py``): 1.9–4.0× a plain one
+  for the K-quants and IQ4_XS, 7–10× for the grid IQ types.
+- ``"requant"`` (the walk of assignments made before the sweep was a choice): the superblock is
+  quantized again after each of its sub-blocks, float64; except for the types of
+  :data:`WHOLE_SUPERBLOCK`, whose superblock is one step (their sub-block scales are coded against
+  the superblock's largest, so quantizing again moves the sub-blocks already fixed: measured on
+  SmolLM2-135M's ffn_down, 0.69–0.72× the error of 32-column steps for Q5_K,
+  ``bench/compensation_step.py``). 7–11× a plain candidate for most superblock types.
+
+The final bytes are the quantizer's for the whole rows of W', so training, bake and export all see
+the same bytes. :func:`compensated_matrix` is deterministic (one thread); export reads the
+candidate from the cache, or computes it again and checks it against the sha256 the assignment
+recorded (tools/export.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..core import ggml
+from ..core import qtypes as qt
+from ..core.errors import QuantizationInputError
+
+ALGORITHM = "gptq-blocks/2"  # the "requant" sweep; /2: whole-superblock steps for WHOLE_SUPERBLOCK (Q5_K)
+FIXED_ALGORITHM = "gptq-fixed/1"  # the "fixed" sweep (:func:`_sweep_fixed`)
+SWEEPS = ("fixed", "requant")
+DEFAULT_SWEEP = "fixed"
+DEFAULT_DAMP = 0.1
+LAZY = 128  # columns of a 32-block type updated together before the rest of the row (one GEMM)
+STEP = 32  # columns fixed per step: a block, or a 256-superblock's sub-block (its scale's span)
+# superblock types compensated one whole superblock per step (module docstring: measured)
+WHOLE_SUPERBLOCK = frozenset({"Q5_K"})
+
+
+@dataclass(frozen=True)
+class Compensation:
+    """The inputs of one tensor's compensation: its layer input's Hessian (GGUF column order,
+    float32, n × n) and the damping fraction. Its :attr:`digest` keys the candidate cache."""
+
+    hessian: np.ndarray
+    damp: float = DEFAULT_DAMP
+    sweep: str = DEFAULT_SWEEP  # "fixed" (one quantization per superblock) or "requant" (one per step)
+    _digest: list = field(default_factory=list, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        h = self.hessian
+        if h.ndim != 2 or h.shape[0] != h.shape[1] or h.dtype != np.float32:
+            raise QuantizationInputError(f"a Hessian is a square float32 matrix, got {h.dtype} {h.shape}")
+        if not (0.0 < float(self.damp) < 1e3):
+            raise QuantizationInputError(f"damping fraction must be > 0, got {self.damp}")
+        if not np.all(np.isfinite(h)):
+            raise QuantizationInputError("the Hessian holds NaN or Inf")
+        if self.sweep not in SWEEPS:
+            raise QuantizationInputError(f"compensation sweep {self.sweep!r}: expected one of {', '.join(SWEEPS)}")
+
+    @property
+    def n(self) -> int:
+        return int(self.hessian.shape[0])
+
+    def factor(self):
+        """(U, dead): the upper Cholesky factor of the damped inverse Hessian (None when no
+        column is live) and the mask of dead columns. A process keeps the last few it computed
+        (:data:`FACTOR_CACHE_BYTES` in all): a tensor's types are built one after another and
+        share it, while the factors of a whole model (n² float64 each) are never held."""
+        key = self.digest
+        hit = _FACTORS.get(key)
+        if hit is not None:
+            _FACTORS.move_to_end(key)
+            return hit
+        f = (_cholesky_factor if self.sweep == "requant" else _reversed_factor)(self.hessian, float(self.damp))
+        size = 0 if f[0] is None else f[0].element_size() * self.n * self.n
+        if size <= FACTOR_CACHE_BYTES:
+            _FACTORS[key] = f
+            while sum(u.element_size() * u.numel() for u, _ in _FACTORS.values() if u is not None) > FACTOR_CACHE_BYTES:
+                _FACTORS.popitem(last=False)
+        return f
+
+    @property
+    def digest(self) -> str:
+        """sha256 of the algorithm (with the types it walks a whole superblock at a time), the
+        damping and the Hessian's bytes (computed once): a changed walk never reads old candidates."""
+        if not self._digest:
+            algo = f"{ALGORITHM}|{','.join(sorted(WHOLE_SUPERBLOCK))}" if self.sweep == "requant" else FIXED_ALGORITHM
+            h = hashlib.sha256(f"{algo}|{float(self.damp)!r}".encode())
+            h.update(struct.pack("<q", self.n))
+            h.update(memoryview(np.ascontiguousarray(self.hessian, dtype="<f4")).cast("B"))
+            self._digest.append(h.hexdigest())
+        return self._digest[0]
+
+
+FACTOR_CACHE_BYTES = 512 << 20
+_FACTORS: OrderedDict = OrderedDict()  # digest -> (U, dead), least recently used first
+
+
+def release_factors() -> None:
+    """Drop the kept factors: a build of candidates in this process is over, and a training run
+    would otherwise hold up to :data:`FACTOR_CACHE_BYTES` through its steps."""
+    _FACTORS.clear()
+
+
+def applies(qtype: str | qt.QType) -> bool:
+    """Float types are written as they are; every quantized type is compensated."""
+    return not qt.get(qtype).is_float
+
+
+def _cholesky_factor(hessian: np.ndarray, damp: float):
+    import torch
+
+    H = torch.from_numpy(hessian.astype(np.float64))
+    diag = torch.diagonal(H)
+    dead = diag <= 0
+    if bool(dead.all()):
+        return None, dead.numpy()
+    H[dead, dead] = 1.0
+    mean = float(torch.mean(torch.diagonal(H)[~dead]))
+    H += (damp * mean) * torch.eye(H.shape[0], dtype=torch.float64)
+    L, info = torch.linalg.cholesky_ex(H)
+    if int(info) != 0:
+        raise QuantizationInputError("the damped Hessian is not positive definite; raise the damping")
+    U = torch.linalg.cholesky(torch.cholesky_inverse(L), upper=True)
+    return U, dead.numpy()
+
+
+def _reversed_factor(hessian: np.ndarray, damp: float):
+    """The factor of :func:`_cholesky_factor` in half the work, kept in float32 for the sweep:
+    with J the order reversal and J H J = L Lᵀ, H⁻¹ = (J L⁻¹ J)ᵀ (J L⁻¹ J) and J L⁻¹ J is upper
+    with a positive diagonal, so it is the upper Cholesky factor of H⁻¹ (one Cholesky and one
+    triangular inverse, no explicit inverse). Computed in float64 on the calling thread."""
+    import torch
+
+    H = torch.from_numpy(hessian.astype(np.float64))
+    diag = torch.diagonal(H)
+    dead = diag <= 0
+    if bool(dead.all()):
+        return None, dead.numpy()
+    H[dead, dead] = 1.0
+    mean = float(torch.mean(torch.diagonal(H)[~dead]))
+    H += (damp * mean) * torch.eye(H.shape[0], dtype=torch.float64)
+    L, info = torch.linalg.cholesky_ex(torch.flip(H, (0, 1)))
+    if int(info) != 0:
+        raise QuantizationInputError("the damped Hessian is not positive definite; raise the damping")
+    del H
+    eye = torch.eye(L.shape[0], dtype=torch.float64)
+    Linv = torch.linalg.solve_triangular(L, eye, upper=False)
+    del L, eye
+    return torch.flip(Linv, (0, 1)).to(torch.float32), dead.numpy()
+
+
+def compensated_matrix(matrix: np.ndarray, qtype: str | qt.QType, imatrix: np.ndarray | None,
+                       comp: Compensation, lib=None) -> np.ndarray:
+    """W' for `matrix` (rows × n, float32, GGUF layout) in `qtype`: see the module docstring.
+    Columns whose Hessian diagonal is zero (never active on the calibration text) are left as
+    they are and pass no error on."""
+    import torch
+
+    q = qt.get(qtype)
+    m = np.ascontiguousarray(matrix, dtype=np.float32)
+    if m.ndim != 2:
+        raise QuantizationInputError(f"compensation takes a 2-D matrix, got {m.shape}")
+    rows, n = m.shape
+    if comp.n != n:
+        raise QuantizationInputError(f"Hessian is {comp.n} × {comp.n}, the matrix has {n} columns")
+    if not applies(q) or rows == 0:
+        return m
+    lib = lib or ggml.lib()
+    B = lib.block_size(q)
+    if n % B:
+        raise QuantizationInputError(f"{q.name} blocks of {B} do not tile rows of {n}")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the same bits on every run: export computes W' again
+    try:
+        U, dead = comp.factor()
+        if U is None:
+            return m
+        if comp.sweep == "fixed":  # dead columns: no update reaches them, no error leaves them
+            return np.ascontiguousarray(_sweep_fixed(m, q, imatrix, U, dead, lib, B))
+        W = torch.from_numpy(m.astype(np.float64))
+        live = torch.from_numpy(~dead)
+        step = B if q.name in WHOLE_SUPERBLOCK else min(B, STEP)
+        for s0 in range(0, n - step, step):  # the last step has no later columns to pass its error to
+            s1 = s0 + step
+            b0 = (s0 // B) * B  # the block holding the step, quantized as it stands now
+            blk = np.ascontiguousarray(W[:, b0:b0 + B].numpy(), dtype=np.float32)
+            vec = None if imatrix is None else np.ascontiguousarray(imatrix[b0:b0 + B], dtype=np.float32)
+            data = lib.quantize(blk, q, vec, name="compensation", workers=1)
+            Q = torch.from_numpy(lib.dequantize(data, q, blk.shape, name="compensation")[:, s0 - b0:s1 - b0]
+                                 .astype(np.float64))
+            E = (W[:, s0:s1] - Q) * live[s0:s1]
+            err = torch.linalg.solve_triangular(U[s0:s1, s0:s1], E, upper=True, left=False)
+            W[:, s1:] -= err @ U[s0:s1, s1:]
+        out = W.numpy().astype(np.float32)
+    finally:
+        torch.set_num_threads(threads)
+    out[:, dead] = m[:, dead]
+    return np.ascontiguousarray(out)
+
+
+def _sweep_fixed(m: np.ndarray, q: qt.QType, imatrix, U, dead, lib, B: int) -> np.ndarray:
+    """The "fixed" sweep, in float32: W' for `m` with the error of every 32 columns passed on.
+
+    A superblock type of :data:`fixed_rounding.SWEEP_TYPES` (the K-quants, IQ4_XS) is quantized
+    by libggml-base once per superblock, when the walk reaches it; its first 32-column step takes
+    libggml's values, each later step is rounded with that quantization's scales held fixed
+    (fixed_rounding.py), and W' holds the rounded values: a superblock of values the quantizer's
+    scales represent exactly, which libggml-base quantizes back to (nearly) the same values, so
+    the error passed on is the file's. Any other type (its block of 32, or a grid IQ superblock)
+    is quantized by libggml-base at every step, as the "requant" sweep does, and W' holds the
+    updated weights. Updates are applied lazily: within a group (the superblock, or :data:`LAZY`
+    columns of 32-blocks) step by step, to the rest of the row once per group (one product)."""
+    import torch
+
+    from . import fixed_rounding  # lazy: it imports torch, which building plain candidates never needs
+
+    rows, n = m.shape
+    W = torch.from_numpy(m.copy())
+    live = torch.from_numpy(~dead).to(torch.float32)
+    vec = None if imatrix is None else np.ascontiguousarray(imatrix, dtype=np.float32)
+    step = min(B, STEP)
+    group = B if B > STEP else max(B, LAZY)
+    fixed = B > STEP and q.name in fixed_rounding.SWEEP_TYPES
+    for g0 in range(0, n, group):
+        g1 = min(n, g0 + group)
+        errs = torch.empty(rows, g1 - g0, dtype=torch.float32)
+        scales = None
+        for s0 in range(g0, g1, step):
+            s1 = s0 + step
+            b0 = (s0 // B) * B  # the block holding the step
+            if fixed and scales is not None:
+                Q = scales.round(W[:, s0:s1], s0 - b0, s1 - b0)
+            else:
+                blk = np.ascontiguousarray(W[:, b0:b0 + B].numpy())
+                v = None if vec is None else vec[b0:b0 + B]
+                data = lib.quantize(blk, q, v, name="compensation", workers=1)
+                Q = torch.from_numpy(lib.dequantize(data, q, blk.shape, name="compensation")[:, s0 - b0:s1 - b0])
+                if fixed:
+                    scales = fixed_rounding.FixedScales(data, q, rows, B, v)
+            E = (W[:, s0:s1] - Q) * live[s0:s1]
+            err = torch.linalg.solve_triangular(U[s0:s1, s0:s1], E, upper=True, left=False)
+            if fixed:
+                W[:, s0:s1] = Q
+            W[:, s1:g1] -= err @ U[s0:s1, s1:g1]
+            errs[:, s0 - g0:s1 - g0] = err
+        if g1 < n:
+            W[:, g1:] -= errs @ U[g0:g1, g1:]
+    return W.numpy()
+
+
+def quantize_compensated(matrix: np.ndarray, qtype: str | qt.QType, imatrix: np.ndarray | None,
+                         comp: Compensation | None, *, lib=None, name: str = "tensor", workers: int | None = 1) -> bytes:
+    """The candidate's bytes: libggml-base's quantization of W' (of `matrix` itself when `comp`
+    is None or the type is a float type)."""
+    lib = lib or ggml.lib()
+    if comp is not None and applies(qtype):
+        matrix = compensated_matrix(matrix, qtype, imatrix, comp, lib)
+    return lib.quantize(np.ascontiguousarray(matrix, dtype=np.float32), qtype, imatrix, name=name, workers=workers)
+
+
+class QuantInputs(Mapping):
+    """What the quantizer is given besides a tensor: as a Mapping, GGUF name → imatrix vector
+    (what ``setup.imatrix_vectors`` returns); and HF tensor name → :class:`Compensation`."""
+
+    def __init__(self, vectors: Mapping[str, np.ndarray] | None, compensation: Mapping[str, Compensation] | None = None):
+        self._vectors = dict(vectors or {})
+        self.compensation = dict(compensation or {})
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        return self._vectors[key]
+
+    def __iter__(self):
+        return iter(self._vectors)
+
+    def __len__(self) -> int:
+        return len(self._vectors)
+
+    def __bool__(self) -> bool:  # compensation without an imatrix is still something to pass on
+        return bool(self._vectors) or bool(self.compensation)
+
+
+def compensation_of(inputs, name: str) -> Compensation | None:
+    """The compensation of tensor `name` in `inputs` (a :class:`QuantInputs`; None for a plain
+    vector mapping)."""
+    comp = getattr(inputs, "compensation", None)
+    return comp.get(name) if comp else None
+
+
+def compensations(hessians: Mapping[str, np.ndarray], damp: float, sweep: str = DEFAULT_SWEEP) -> dict[str, Compensation]:
+    return {k: Compensation(v, float(damp), sweep) for k, v in hessians.items()}  # shared arrays stay shared

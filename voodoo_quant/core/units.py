@@ -1,0 +1,3 @@
+"""Units the package prints sizes in."""
+
+GB = 1e9  # decimal gigabyte: memory plans (memory/) and the phases' notes (training/layer_hessians.py)

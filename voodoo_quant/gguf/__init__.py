@@ -1,0 +1,4 @@
+"""llama.cpp's side of a file: its HF to GGUF converter, where every element of an HF tensor lies
+in the GGUF (``layout``), the types stock llama-quantize writes (``recipes``, ``recipe_inputs``)
+and importance matrices (``imatrix``). Above ``core``.
+"""

@@ -1,0 +1,485 @@
+"""Importance matrices: llama.cpp's GGUF and legacy ``.dat`` formats, and computing one in torch.
+
+An imatrix holds, per GGUF weight tensor, the sum of squared activations entering each input
+column of its matmul (``<name>.in_sum2``) and how many rows (tokens) were summed
+(``<name>.counts``). The quantizer gets one float per column: ``in_sum2 / counts``, computed
+exactly as ``tools/quantize/quantize.cpp`` ``load_imatrix`` does (float32 sum divided by the
+count converted to float32). A float64 division differs by an ulp now and then, and one ulp
+changes K-quant bytes, so :meth:`Imatrix.vector` is the only place the division happens.
+
+File formats follow ``tools/imatrix/imatrix.cpp`` (``save_imatrix`` / ``save_imatrix_legacy``)
+and ``common/imatrix-loader.cpp`` at the pinned commit; :func:`save_gguf` writes the same bytes
+``gguf_write_to_file`` writes for the same data (a test checks a round trip of a file written
+by stock ``llama-imatrix``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Mapping
+
+import numpy as np
+
+from ..core import fileio
+from ..core import qtypes as qt
+from ..core.errors import ConfigError, CorruptFileError
+
+# common/imatrix-loader.h
+KV_DATASETS = "imatrix.datasets"
+KV_CHUNK_COUNT = "imatrix.chunk_count"
+KV_CHUNK_SIZE = "imatrix.chunk_size"
+SUFFIX_SUMS = ".in_sum2"
+SUFFIX_COUNTS = ".counts"
+
+_GGUF_MAGIC = b"GGUF"
+_GGUF_VERSION = 3
+_ALIGN = 32  # GGUF_DEFAULT_ALIGNMENT (ggml/include/gguf.h)
+# gguf_type values (ggml/include/gguf.h)
+_T_UINT32, _T_STRING, _T_ARRAY = 4, 8, 9
+_GGML_F32 = 0
+
+# llama-imatrix ignores matmuls over fewer than 16 rows (tools/imatrix/imatrix.cpp
+# collect_imatrix: "src1->ne[1] < 16"); compute_imatrix follows it.
+MIN_ROWS_PER_CALL = 16
+
+
+class ImatrixMismatchError(ConfigError):
+    """The imatrix does not fit the model: unknown tensor names, missing entries, wrong lengths."""
+
+
+@dataclass
+class Entry:
+    """Raw statistics of one tensor, as stored in the file.
+
+    ``sums`` has ``n_mat * ne0`` float32 values (n_mat = number of experts, 1 for a dense
+    tensor); ``counts`` has ``n_mat`` integers. For a legacy ``.dat`` file ``sums`` already is
+    ``(sum / count) * ncall`` and ``counts == [ncall]`` (common/imatrix-loader.cpp).
+    """
+
+    sums: np.ndarray
+    counts: np.ndarray
+
+    def __post_init__(self) -> None:
+        self.sums = np.ascontiguousarray(self.sums, dtype=np.float32).reshape(-1)
+        self.counts = np.ascontiguousarray(self.counts, dtype=np.int64).reshape(-1)
+        if self.counts.size < 1 or self.sums.size % self.counts.size:
+            raise CorruptFileError(f"imatrix entry has {self.sums.size} sums for {self.counts.size} counts")
+
+
+@dataclass
+class Imatrix:
+    entries: dict[str, Entry]
+    datasets: list[str] = field(default_factory=list)
+    chunk_count: int = 0
+    chunk_size: int = 0
+    is_legacy: bool = False
+    source: Path | None = None
+    sha256: str | None = None  # of the file it was loaded from
+
+    # -- the vectors the quantizer gets ------------------------------------------------------
+    def names(self) -> list[str]:
+        return sorted(self.entries)
+
+    def _vector(self, name: str) -> np.ndarray:
+        e = self.entries[name]
+        if self.is_legacy:
+            # quantize.cpp: e[i] = sums[i] / ncall (int64 → float, float division); ncall 0 → sums.
+            ncall = int(e.counts[0])
+            return e.sums / np.float32(ncall) if ncall > 0 else e.sums.copy()
+        ne0 = e.sums.size // e.counts.size
+        out = np.empty_like(e.sums)
+        for j, c in enumerate(e.counts):
+            count = np.float32(c)  # (float) entry.counts[j]
+            part = slice(j * ne0, (j + 1) * ne0)
+            out[part] = e.sums[part] / count if count > 0 else np.float32(1.0)
+        return out
+
+    def get_vector(self, gguf_name: str, n_per_row: int, n_mat: int = 1) -> np.ndarray | None:
+        """The quantizer's vector for `gguf_name`, or None when the file has no entry (stock
+        llama-quantize then quantizes that tensor without one: src/llama-quant.cpp)."""
+        if gguf_name not in self.entries:
+            return None
+        v = self._vector(gguf_name)
+        if v.size != n_per_row * n_mat:
+            # src/llama-quant.cpp throws "imatrix size %d is different from tensor size %d".
+            raise ImatrixMismatchError(
+                f"imatrix entry {gguf_name} has {v.size} values, tensor expects {n_per_row * n_mat} "
+                f"({n_per_row} columns × {n_mat} matrices){self._from()}"
+            )
+        if not np.isfinite(v).all():
+            raise ImatrixMismatchError(f"imatrix entry {gguf_name} has non-finite values{self._from()}")
+        return v
+
+    def vector(self, gguf_name: str, n_per_row: int, n_mat: int = 1) -> np.ndarray:
+        """Like :meth:`get_vector`, but a missing entry is an error."""
+        v = self.get_vector(gguf_name, n_per_row, n_mat)
+        if v is None:
+            near = [n for n in self.names() if n.split(".")[-2:] == gguf_name.split(".")[-2:]][:3]
+            raise ImatrixMismatchError(
+                f"imatrix has no entry for tensor {gguf_name}{self._from()}"
+                + (f"; entries like it: {', '.join(near)}" if near else f"; it has {len(self.entries)} entries")
+            )
+        return v
+
+    def check_names(self, known: Iterable[str]) -> None:
+        """Refuse an imatrix naming tensors the model does not have (wrong model or mapping)."""
+        known = set(known)
+        unknown = [n for n in self.names() if n not in known]
+        if unknown:
+            raise ImatrixMismatchError(
+                f"imatrix{self._from()} has {len(unknown)} entr{'y' if len(unknown) == 1 else 'ies'} "
+                f"for tensors the model does not have: {', '.join(unknown[:5])}"
+                + (" ..." if len(unknown) > 5 else "")
+            )
+
+    def for_model(self, tensors: Mapping[str, tuple[str | None, int]]) -> dict[str, np.ndarray | None]:
+        """Vectors for a model's tensors: ``{hf_name: (gguf_name or None, n_per_row)}`` →
+        ``{hf_name: vector or None}``. Unknown imatrix names and wrong lengths raise."""
+        self.check_names(g for g, _ in tensors.values() if g)
+        return {hf: (self.get_vector(g, n) if g else None) for hf, (g, n) in tensors.items()}
+
+    # -- hashes for the candidate cache --------------------------------------------------------
+    def vector_hash(self, gguf_name: str) -> str:
+        return vector_hash(self._vector(gguf_name))
+
+    def content_hash(self) -> str:
+        """Stable hash of every quantizer vector (not of the file): equal vectors, equal hash."""
+        h = hashlib.sha256(b"voodoo-imatrix-v1")
+        for name in self.names():
+            v = self._vector(name)
+            h.update(struct.pack("<Q", len(name)) + name.encode() + struct.pack("<Q", v.size))
+            h.update(v.astype("<f4").tobytes())
+        return h.hexdigest()
+
+    def _from(self) -> str:
+        return f" ({self.source})" if self.source else ""
+
+    # -- writing -----------------------------------------------------------------------------
+    def save_gguf(self, path: str | Path) -> Path:
+        """Write the GGUF imatrix format of ``tools/imatrix/imatrix.cpp`` ``save_imatrix``."""
+        return fileio.write_bytes(path, self.to_gguf_bytes())
+
+    def to_gguf_bytes(self) -> bytes:
+        kvs = [
+            _kv_str("general.type", "imatrix"),
+            _kv_str_arr(KV_DATASETS, self.datasets),
+            _kv_u32(KV_CHUNK_COUNT, self.chunk_count),
+            _kv_u32(KV_CHUNK_SIZE, self.chunk_size),
+        ]
+        tensors: list[tuple[str, tuple[int, ...], bytes]] = []
+        for name in self.names():  # imatrix.cpp: "deterministic tensor name order"
+            e = self.entries[name]
+            nmat = e.counts.size
+            tensors.append((name + SUFFIX_SUMS, (e.sums.size // nmat, nmat), e.sums.astype("<f4").tobytes()))
+            tensors.append((name + SUFFIX_COUNTS, (1, nmat), e.counts.astype("<f4").tobytes()))
+        out = bytearray(_GGUF_MAGIC + struct.pack("<Iqq", _GGUF_VERSION, len(tensors), len(kvs)))
+        for kv in kvs:
+            out += kv
+        offset = 0
+        for name, ne, data in tensors:
+            dims = list(ne)
+            while len(dims) > 1 and dims[-1] == 1:  # ggml_n_dims drops trailing 1s
+                dims.pop()
+            out += _str(name) + struct.pack("<I", len(dims)) + struct.pack(f"<{len(dims)}q", *dims)
+            out += struct.pack("<iQ", _GGML_F32, offset)
+            offset += _pad_len(len(data))
+        out += b"\0" * (_pad_len(len(out)) - len(out))
+        for _, _, data in tensors:
+            out += data + b"\0" * (_pad_len(len(data)) - len(data))
+        return bytes(out)
+
+    def save_dat(self, path: str | Path) -> Path:
+        """Write the legacy format of ``tools/imatrix/imatrix.cpp`` ``save_imatrix_legacy``."""
+        out = bytearray(struct.pack("<i", len(self.entries)))
+        for name in self.names():
+            e = self.entries[name]
+            if self.is_legacy:
+                ncall, vals = int(e.counts[0]), e.sums
+            else:
+                if self.chunk_size <= 0:
+                    raise ImatrixMismatchError("cannot write a legacy imatrix without a chunk size")
+                ncall = (int(e.counts.max()) + self.chunk_size - 1) // self.chunk_size
+                nmat, nval = e.counts.size, e.sums.size
+                count = np.repeat(e.counts.astype(np.float32), nval // nmat)
+                value = e.sums.copy()
+                zero = count == 0
+                value[zero], count[zero] = 1.0, 1.0  # "store 1 for partial data"
+                vals = (value / count) * np.float32(ncall)
+            b = name.encode()
+            out += struct.pack("<i", len(b)) + b + struct.pack("<ii", ncall, vals.size)
+            out += vals.astype("<f4").tobytes()
+        ds = (self.datasets[-1] if self.datasets else "").encode()
+        out += struct.pack("<ii", self.chunk_count, len(ds)) + ds
+        return fileio.write_bytes(path, bytes(out))
+
+
+# -- GGUF encoding helpers (ggml/src/gguf.cpp gguf_writer_base) ---------------------------------
+def _pad_len(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _str(s: str) -> bytes:
+    b = s.encode()
+    return struct.pack("<Q", len(b)) + b
+
+
+def _kv_str(key: str, val: str) -> bytes:
+    return _str(key) + struct.pack("<i", _T_STRING) + _str(val)
+
+
+def _kv_u32(key: str, val: int) -> bytes:
+    return _str(key) + struct.pack("<iI", _T_UINT32, int(val))
+
+
+def _kv_str_arr(key: str, vals: list[str]) -> bytes:
+    return _str(key) + struct.pack("<iiQ", _T_ARRAY, _T_STRING, len(vals)) + b"".join(_str(v) for v in vals)
+
+
+def vector_hash(v: np.ndarray | None) -> str | None:
+    if v is None:
+        return None
+    return hashlib.sha256(np.ascontiguousarray(v, dtype="<f4").tobytes()).hexdigest()
+
+
+# -- loading ---------------------------------------------------------------------------------
+def load(path: str | Path) -> Imatrix:
+    """Load a GGUF or legacy ``.dat`` imatrix (detected by the GGUF magic, as
+    common/imatrix-loader.cpp falls back to legacy when gguf_init_from_file fails)."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise CorruptFileError(f"imatrix {path} does not exist") from None
+    try:
+        im = _parse_gguf(raw) if raw[:4] == _GGUF_MAGIC else _parse_dat(raw)
+    except (struct.error, ValueError, IndexError, KeyError, UnicodeDecodeError, TypeError, ZeroDivisionError,
+            OverflowError, RecursionError, MemoryError) as e:
+        # TypeError: a metadata value of the wrong GGUF type; ZeroDivisionError: alignment 0;
+        # RecursionError: arrays nested without end (tests/test_fuzz_readers.py).
+        raise CorruptFileError(f"imatrix {path} is truncated or malformed: {type(e).__name__}: {e}") from None
+    except CorruptFileError as e:
+        raise CorruptFileError(f"imatrix {path}: {e}") from None
+    im.source = path
+    im.sha256 = hashlib.sha256(raw).hexdigest()
+    return im
+
+
+class _Reader:
+    def __init__(self, raw: bytes):
+        self.raw, self.pos = raw, 0
+
+    def take(self, fmt: str):
+        vals = struct.unpack_from("<" + fmt, self.raw, self.pos)
+        self.pos += struct.calcsize("<" + fmt)
+        return vals if len(vals) > 1 else vals[0]
+
+    def bytes(self, n: int) -> bytes:
+        if n < 0 or self.pos + n > len(self.raw):
+            raise ValueError(f"needs {n} bytes at offset {self.pos}, file has {len(self.raw)}")
+        b = self.raw[self.pos:self.pos + n]
+        self.pos += n
+        return b
+
+    def string(self) -> str:
+        return self.bytes(self.take("Q")).decode()
+
+
+_SCALAR_FMT = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
+
+def _read_value(r: _Reader, t: int):
+    if t == _T_STRING:
+        return r.string()
+    if t == _T_ARRAY:
+        at, n = r.take("iQ")
+        return [_read_value(r, at) for _ in range(n)]
+    if t not in _SCALAR_FMT:
+        raise ValueError(f"unknown GGUF value type {t}")
+    return r.take(_SCALAR_FMT[t])
+
+
+def _gguf_header(raw: bytes) -> tuple[dict, list[tuple[str, list[int], int, int]], int]:
+    """(key/values, [(name, ne (ggml order), ggml type id, offset)], start of the data section)."""
+    r = _Reader(raw)
+    r.bytes(4)
+    version, n_tensors, n_kv = r.take("Iqq")
+    if version < 2:
+        raise CorruptFileError(f"GGUF version {version} is not supported")
+    kv = {}
+    for _ in range(n_kv):
+        key = r.string()
+        kv[key] = _read_value(r, r.take("i"))
+    infos = []
+    for _ in range(n_tensors):
+        name = r.string()
+        ne = [r.take("q") for _ in range(r.take("I"))]
+        gtype, off = r.take("iQ")
+        infos.append((name, ne, gtype, off))
+    align = int(kv.get("general.alignment", _ALIGN))
+    return kv, infos, (r.pos + align - 1) // align * align
+
+
+def _parse_gguf(raw: bytes) -> Imatrix:
+    kv, infos, data0 = _gguf_header(raw)
+    sums: dict[str, np.ndarray] = {}
+    counts: dict[str, np.ndarray] = {}
+    for name, ne, gtype, off in infos:
+        n = int(np.prod(ne, dtype=np.int64))
+        if gtype != _GGML_F32:
+            raise CorruptFileError(f"tensor {name} has ggml type {gtype}, imatrix tensors must be F32")
+        if data0 + off + 4 * n > len(raw):
+            raise CorruptFileError(f"tensor {name} runs past the end of the file (truncated?)")
+        arr = np.frombuffer(raw, dtype="<f4", count=n, offset=data0 + off).astype(np.float32)
+        if name.endswith(SUFFIX_SUMS):
+            sums[name[: -len(SUFFIX_SUMS)]] = arr
+        elif name.endswith(SUFFIX_COUNTS):
+            counts[name[: -len(SUFFIX_COUNTS)]] = arr
+    if not sums and not counts:
+        raise CorruptFileError("no imatrix data (no .in_sum2/.counts tensors)")
+    entries = {}
+    for name in sorted(set(sums) | set(counts)):
+        if name not in sums or name not in counts:
+            raise CorruptFileError(f"mismatched sums and counts for {name}")
+        # imatrix-loader.cpp: counts[j] = std::lround(float)
+        c = np.floor(counts[name].astype(np.float64) + 0.5).astype(np.int64)
+        entries[name] = Entry(sums[name], c)
+    for k in (KV_DATASETS, KV_CHUNK_COUNT, KV_CHUNK_SIZE):
+        if k not in kv:  # quantize.cpp refuses such a file: "missing imatrix metadata"
+            raise CorruptFileError(f"missing imatrix metadata key {k}")
+    return Imatrix(entries, datasets=list(kv[KV_DATASETS]), chunk_count=int(kv[KV_CHUNK_COUNT]),
+                   chunk_size=int(kv[KV_CHUNK_SIZE]))
+
+
+def _parse_dat(raw: bytes) -> Imatrix:
+    r = _Reader(raw)
+    n_entries = r.take("i")
+    if n_entries < 1:
+        raise CorruptFileError("not a GGUF file and no legacy imatrix entries")
+    entries = {}
+    for _ in range(n_entries):
+        name = r.bytes(r.take("i")).decode()
+        ncall, nval = r.take("ii")
+        if nval < 1:
+            raise CorruptFileError(f"entry {name} has {nval} values")
+        vals = np.frombuffer(r.bytes(4 * nval), dtype="<f4").astype(np.float32)
+        entries[name] = Entry(vals, np.array([ncall]))
+    chunk_count, datasets = 0, []
+    if r.pos < len(raw):  # the trailing chunk count + dataset name are optional
+        chunk_count = r.take("i")
+        if r.pos + 4 <= len(raw):
+            n = r.take("i")
+            if n > 0:
+                datasets.append(r.bytes(n).decode())
+    return Imatrix(entries, datasets=datasets, chunk_count=chunk_count, chunk_size=0, is_legacy=True)
+
+
+# -- computing one in torch ------------------------------------------------------------------
+def compute_imatrix(
+    model,
+    token_batches: Iterable,
+    name_map: Callable[[str], str | None],
+    *,
+    column_perm: Callable[[str], np.ndarray | None] | None = None,
+    chunk_size: int | None = None,
+    datasets: Iterable[str] = (),
+    min_rows: int = MIN_ROWS_PER_CALL,
+) -> Imatrix:
+    """Sum of x² per input column of every ``nn.Linear`` whose HF name `name_map` maps to a
+    GGUF name, over `token_batches` (LongTensor ``[batch, seq]`` each).
+
+    For a Linear with weight ``(out, in)`` the ggml matmul's columns (ne[0]) are its `in`
+    features. llama.cpp's converters permute rows of most tensors (q/k rope permutes), which
+    leaves the columns alone; a converter that permutes the *input* columns (Qwen3.5
+    ``linear_attn.out_proj``: conversion/qwen.py ``_reorder_v_heads`` on dim 1) needs
+    `column_perm(hf_name)` → index array such that ``gguf_column[j] = hf_column[perm[j]]``.
+
+    Accumulation is in float64 per call (more accurate than llama-imatrix's running float32;
+    activations from torch differ from ggml's anyway) and stored as float32 like its file.
+    Calls with fewer than `min_rows` rows are skipped, as llama-imatrix skips them.
+    """
+    import torch
+
+    sums: dict[str, torch.Tensor] = {}
+    counts: dict[str, int] = {}
+    owners: dict[str, str] = {}
+    hooks = []
+
+    def make_hook(hf_name: str, gguf_name: str):
+        def hook(_mod, inputs, _out):
+            x = inputs[0].detach()
+            x = x.reshape(-1, x.shape[-1])
+            if x.shape[0] < min_rows:
+                return
+            s = x.to(torch.float64).square().sum(0).cpu()
+            if gguf_name in sums:
+                sums[gguf_name] += s
+            else:
+                sums[gguf_name] = s
+            counts[gguf_name] = counts.get(gguf_name, 0) + int(x.shape[0])
+
+        return hook
+
+    for hf_name, mod in model.named_modules():
+        if not isinstance(mod, torch.nn.Linear):
+            continue
+        g = name_map(hf_name + ".weight")
+        if g is None:
+            continue
+        if g in owners:
+            # Tied/shared modules would double-count: refuse rather than guess.
+            raise ImatrixMismatchError(f"modules {owners[g]} and {hf_name} both map to {g}")
+        owners[g] = hf_name
+        hooks.append(mod.register_forward_hook(make_hook(hf_name, g)))
+    if not hooks:
+        raise ImatrixMismatchError("no nn.Linear of the model maps to a GGUF tensor name")
+
+    n_tokens = 0
+    try:
+        was_training = model.training
+        model.eval()
+        with torch.no_grad():
+            for batch in token_batches:
+                batch = torch.as_tensor(batch)
+                if batch.ndim == 1:
+                    batch = batch[None]
+                model(input_ids=batch.to(next(model.parameters()).device))
+                n_tokens += batch.numel()
+        model.train(was_training)
+    finally:
+        for h in hooks:
+            h.remove()
+
+    entries = {}
+    for g, hf_name in owners.items():
+        if g not in sums:
+            continue
+        v = sums[g].numpy()
+        perm = column_perm(hf_name + ".weight") if column_perm else None
+        if perm is not None:
+            perm = np.asarray(perm)
+            if sorted(perm.tolist()) != list(range(v.size)):
+                raise ImatrixMismatchError(f"column permutation for {hf_name} is not a permutation of {v.size}")
+            v = v[perm]
+        entries[g] = Entry(v.astype(np.float32), np.array([counts[g]]))
+    if not entries:
+        raise ImatrixMismatchError(f"no Linear saw a call of >= {min_rows} rows; use longer sequences")
+    cs = int(chunk_size) if chunk_size else 0
+    return Imatrix(entries, datasets=list(datasets), chunk_count=(n_tokens // cs if cs else 0), chunk_size=cs)
+
+
+def gguf_tensor_table(path: str | Path) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
+    """name → (ggml type, shape rows-first, raw bytes) of every tensor of a GGUF file.
+
+    A fast header walk with this module's reader (gguf.GGUFReader takes ~12 s on a 49k-token
+    vocabulary); used by tests and benches that compare tensors byte for byte.
+    """
+    raw = Path(path).read_bytes()
+    _, infos, base = _gguf_header(raw)
+    out = {}
+    for name, ne, gtype, off in infos:
+        t, shape = qt.by_id(gtype).name, tuple(reversed(ne))
+        out[name] = (t, shape, raw[base + off: base + off + qt.tensor_bytes(t, shape)])
+    return out

@@ -1,0 +1,4 @@
+"""The memory model of a training run (``voodoo train --dry_run``): the plan (``plan``), the
+phases beside the training steps (``phases``) and the activation probe (``probe``). Above
+``training``, whose own sizes it adds up.
+"""
