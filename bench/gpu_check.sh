@@ -105,7 +105,7 @@ if [ -z "${VOODOO_GGML_LIB:-}" ] && ! ls third_party/llama.cpp/build/bin/libggml
   [ -f $LL/convert_hf_to_gguf.py ] || { mkdir -p $LL && tar -C $LL -xJf "$GPU/a/llama.cpp.tar.xz"; }
   export VOODOO_LLAMA_CPP_DIR=$LL PYTHONPATH=$PYTHONPATH:$LL/gguf-py
   lib=$GPU/a/lib/libggml-base.so
-  if ! VOODOO_GGML_LIB=$lib "$PY" -c "from voodoo_quant import ggml; ggml.lib()" 2>/dev/null; then
+  if ! VOODOO_GGML_LIB=$lib "$PY" -c "from voodoo_quant.core import ggml; ggml.lib()" 2>/dev/null; then
     echo "the carried libggml-base does not load here: building it"
     touch $LL/ggml/ggml.pc.in  # ggml configured standalone wants it; only `install` uses it
     cmake -S $LL/ggml -B $LL/build -DGGML_CUDA=OFF -DGGML_NATIVE=OFF -DBUILD_SHARED_LIBS=ON \
@@ -116,7 +116,7 @@ if [ -z "${VOODOO_GGML_LIB:-}" ] && ! ls third_party/llama.cpp/build/bin/libggml
   fi
   [ -n "$lib" ] && export VOODOO_GGML_LIB=$lib
 fi
-"$PY" -c "from voodoo_quant import ggml; print('libggml-base', ggml.lib().version)" \
+"$PY" -c "from voodoo_quant.core import ggml; print('libggml-base', ggml.lib().version)" \
   || { echo "no libggml-base: every step below needs it (run --prepare and carry .gpu/a)"; exit 1; }
 
 check() {  # check LABEL MODEL DATA [gpu_train_check flags...]: one measured training run

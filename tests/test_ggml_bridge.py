@@ -129,7 +129,7 @@ def test_validation_errors(ggml_lib, case):
 _CHILD = textwrap.dedent("""
     import sys
     import numpy as np
-    from voodoo_quant import ggml
+    from voodoo_quant.core import ggml
     g = ggml.lib()
     case = sys.argv[1]
     w = np.ones((2, 256), np.float32)
