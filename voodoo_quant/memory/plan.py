@@ -393,7 +393,7 @@ def _advice(cfg, mp: MemoryPlan, capacity, replan) -> list[str]:
     if cfg.seq_len >= 1024:
         options.append((f"--seq_len {cfg.seq_len // 2}", {"seq_len": cfg.seq_len // 2}))
     if mp.world > 1:
-        options.append((f"--tensor_parallel {2 * mp.world} (--nproc {2 * mp.world})", {"__world": 2 * mp.world}))
+        options.append((f"--tensor_parallel {2 * mp.world}", {"__world": 2 * mp.world}))
     elif not cfg.teacher_device and str(cfg.device).startswith("cuda"):
         options.append(("--teacher_device cpu", {"teacher_device": "cpu"}))
     single, out = [], []
