@@ -98,7 +98,10 @@ def test_the_dry_run_plans_the_budget_training_computes(sized):
 def test_the_file_is_at_most_the_target_and_close_to_it(exported):
     target, rest, res, out = exported
     size = out.path.stat().st_size
-    print(f"target {target:,} bytes, file {size:,} bytes ({size / target:.4f} of the target)")
+    selected = sum(t.nbytes for t in res.assignment.tensors.values())
+    room = target - rest - out.fixed_bytes  # what the budget left the selectable tensors
+    print(f"target {target:,} bytes, file {size:,} bytes ({size / target:.4f} of the target); selectable "
+          f"tensors {selected:,} of the {room:,} left them ({selected / room:.4f}), fixed {out.fixed_bytes:,}")
     assert size <= target
     # the selectable tensors land within the dead zone below the upper bound (2 % tolerance)
     assert size >= 0.95 * target, (size, target)
