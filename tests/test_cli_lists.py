@@ -8,6 +8,7 @@ import typer
 from typer.testing import CliRunner
 
 from voodoo_quant.cli.app import app
+from voodoo_quant.cli.options import ALIASES
 
 GROUP = typer.main.get_command(app)
 
@@ -53,7 +54,8 @@ def test_the_list_flags_are_found():
 def test_every_list_flag_takes_space_separated_values(command, param):
     cmd = GROUP.commands[command]
     opt = next(p for p in cmd.params if p.name == param)
-    for spelling in {opt.opts[0], "--" + param, "--" + param.replace("_", "-")}:
+    old = {"--" + k for k, v in ALIASES.get(command, {}).items() if v == param}  # hidden aliases too
+    for spelling in {opt.opts[0], "--" + param, "--" + param.replace("_", "-"), *old}:
         # the values stop at the next flag, which still parses as one
         ctx = _parse(command, [spelling, "1", "2", "3", *_required(cmd, param)])
         assert [str(v) for v in ctx.params[param]] == ["1", "2", "3"], (spelling, ctx.params[param])
@@ -81,6 +83,30 @@ def test_train_list_flags_reach_the_config():
     assert cfg.stock_references == ("Q4_K_M", "Q5_K_M")
     assert cfg.attention_candidates == ("Q8_0", "Q6_K")
     assert parse_train_flags(["--model", "m", "--compression_ratio", "0.5"]).stock_references  # default: all
+
+
+TRAIN_LISTS = [p for c, p in LIST_FLAGS if c == "train"]
+
+
+@pytest.mark.parametrize("param", TRAIN_LISTS)
+def test_train_list_flags_after_voodoo_tp_take_space_separated_values(param):
+    # `voodoo tp ... -- <train flags>` hands train's flags to cli/tp.parse_train_flags, which normalizes
+    # them itself (the group only sees tp's own): every train list flag, as `voodoo train` takes it
+    import dataclasses
+
+    from voodoo_quant.cli.tp import parse_train_flags
+    from voodoo_quant.core import settings as S
+    from voodoo_quant.training.config import TrainConfig
+
+    default = {f.name: S.default_of(f) for f in dataclasses.fields(TrainConfig)}
+    values = list((default[param] or default["candidate_types"])[:3])  # valid ones: the first three defaults
+    assert len(values) == 3, (param, values)
+    train = ["--model", "m", "--compression_ratio", "0.5", "--" + param, *values, "--seed", "3"]
+    tp = _parse("tp", ["--tensor_parallel", "2", "--", *train])
+    assert tp.params["nproc"] == 2
+    cfg = parse_train_flags(list(tp.args))
+    assert list(getattr(cfg, param)) == values and cfg.seed == 3, getattr(cfg, param)
+    assert [str(v) for v in _parse("train", train).params[param]] == values  # the same through `voodoo train`
 
 
 def test_no_list_flag_is_declared_as_one_string():

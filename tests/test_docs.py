@@ -303,7 +303,8 @@ def check(cmd: Command) -> str | None:
         elif name == "tp":
             cfg = parse_train_flags(list(ctx.args))
             if cfg.tensor_parallel not in (1, ctx.params["nproc"]):
-                return f"--tensor_parallel {cfg.tensor_parallel} disagrees with --nproc {ctx.params['nproc']}"
+                return (f"the train flags' --tensor_parallel {cfg.tensor_parallel} disagrees with "
+                        f"`voodoo tp --tensor_parallel {ctx.params['nproc']}`")
     except EXITS as e:  # --help
         code = getattr(e, "exit_code", 0)
         return None if code == 0 else f"exit {code}"
@@ -385,7 +386,7 @@ $V train --model m --compression_ratio 0.$SIZE --candidate_types Q8_0 Q9_9
 $V train --model m --compression_ratio 0.$SIZE --tensor_upgrades '[{"pattern": "(",
     "levels": 1}]'
 $V frobnicate --model m
-$V tp --nproc 2 -- --model m --compression_ratio 0.3 --tensor_parallel 4
+$V tp --tensor_parallel 2 -- --model m --compression_ratio 0.3 --tensor_parallel 4
 $V train --model "$MODEL" --compression_ratio "0.$SIZE" --candidate_types Q8_0 Q5_K IQ3_S --dry_run
 """
 
@@ -401,7 +402,7 @@ def test_checker_reports_each_broken_line(tmp_path):
     assert "Q9_9" in reasons[6]  # TrainConfig validation
     assert "--tensor_upgrades" in reasons[7]  # invalid regex, in a quote spanning two lines
     assert "frobnicate" in reasons[9]
-    assert "disagrees with --nproc" in reasons[10]
+    assert "disagrees with `voodoo tp --tensor_parallel 2`" in reasons[10]
     assert reasons[11] is None  # variables substituted, unquoted list spread over words
     assert cmds[-1].argv[cmds[-1].argv.index("--model") + 1] == "placeholder_model"
     assert all(r.startswith("broken.sh:") for r in failures(cmds))

@@ -96,7 +96,7 @@ def test_tp_refuses_a_split_inside_quantization_blocks(tp_models):
 def test_tp_without_torchrun_says_how_to_launch(tp_models, tmp_path):
     for k in ("RANK", "WORLD_SIZE"):
         assert k not in os.environ
-    with pytest.raises(ConfigError, match=r"runs under torchrun: use `voodoo tp --nproc 2"):
+    with pytest.raises(ConfigError, match=r"runs under torchrun: use `voodoo tp --tensor_parallel 2"):
         Trainer(tp_case.config(tp_models["llama"], tmp_path, 2)).prepare()
 
 
@@ -308,7 +308,7 @@ def test_voodoo_tp_cli_runs_the_ranks_and_writes_the_single_process_assignment(t
              "--max_steps", "3", "--compression_ratio", "0.62", "--candidate_types", *tp_case.MENU,
              "--loss_chunk_size", "24", "--no_guarantee", "--search_evals", "0"]  # the bake on both sides
     env = dict(os.environ, OMP_NUM_THREADS="1", VOODOO_QUANT_WORKERS="1")
-    p = subprocess.run([str(Path(sys.executable).with_name("voodoo")), "tp", "--nproc", "2", "--", *flags,
+    p = subprocess.run([str(Path(sys.executable).with_name("voodoo")), "tp", "--tensor_parallel", "2", "--", *flags,
                         "--output_dir", str(tmp_path / "tp")], capture_output=True, text=True, env=env, timeout=900)
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     assert "torch.distributed.run --standalone --nproc_per_node 2" in p.stdout
@@ -331,7 +331,7 @@ def test_voodoo_tp_cli_with_the_defaults_reports_the_guarantee_it_measured(tp_mo
              "--max_steps", "2", "--compression_ratio", "0.62", "--candidate_types", *tp_case.MENU,
              "--loss_chunk_size", "24", "--search_sequences", "2"]
     env = dict(os.environ, OMP_NUM_THREADS="1", VOODOO_QUANT_WORKERS="1")
-    p = subprocess.run([str(Path(sys.executable).with_name("voodoo")), "tp", "--nproc", "2", "--", *flags,
+    p = subprocess.run([str(Path(sys.executable).with_name("voodoo")), "tp", "--tensor_parallel", "2", "--", *flags,
                         "--output_dir", str(tmp_path / "tp")], capture_output=True, text=True, env=env, timeout=900)
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     assert "never worse: measured on held-aside calibration sequences" in p.stdout
@@ -356,7 +356,7 @@ def test_voodoo_tp_search_killed_mid_way_resumes_on_every_rank(tp_models, tmp_pa
              "--max_steps", "2", "--compression_ratio", "0.62", "--candidate_types", *tp_case.MENU,
              "--loss_chunk_size", "24", "--search_sequences", "2", "--search_evals", "8", "--no_guarantee",
              "--output_dir", str(tmp_path / "tp")]
-    cmd = [str(Path(sys.executable).with_name("voodoo")), "tp", "--nproc", "2", "--", *flags]
+    cmd = [str(Path(sys.executable).with_name("voodoo")), "tp", "--tensor_parallel", "2", "--", *flags]
     env = dict(os.environ, OMP_NUM_THREADS="1", VOODOO_QUANT_WORKERS="1")
     p = subprocess.run(cmd, capture_output=True, text=True, env={**env, "VOODOO_FAULT_AT": "write:search.json:3"},
                        timeout=900)
@@ -373,7 +373,7 @@ def test_voodoo_tp_search_killed_mid_way_resumes_on_every_rank(tp_models, tmp_pa
 def test_voodoo_tp_print_only_applies_the_vendor_defaults(tp_models, tmp_path):
     d = tp_models["llama"]
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "VOODOO_QUANT_WORKERS")}
-    p = subprocess.run([str(Path(sys.executable).with_name("voodoo")), "tp", "--nproc", "2", "--print_only", "--",
+    p = subprocess.run([str(Path(sys.executable).with_name("voodoo")), "tp", "--tensor_parallel", "2", "--print_only", "--",
                         "--model", str(d / "model"), "--data_dir", str(d / "data"), "--compression_ratio", "0.6",
                         "--output_dir", str(tmp_path)], capture_output=True, text=True, env=env, timeout=120)
     assert p.returncode == 0, p.stdout + p.stderr
@@ -383,9 +383,11 @@ def test_voodoo_tp_print_only_applies_the_vendor_defaults(tp_models, tmp_path):
 
 
 @pytest.mark.parametrize("args,msg", [
-    (["--nproc", "1"], "--nproc must be >= 2"),
-    (["--nproc", "2", "--", "--model", "/nonexistent", "--compression_ratio", "0.5"], "no such model directory"),
-    (["--nproc", "2", "--", "--model", "MODEL", "--compression_ratio", "0.5", "--tensor_parallel", "4"], "disagrees with --nproc 2"),
+    (["--tensor_parallel", "1"], "--tensor_parallel must be >= 2"),
+    (["--nproc", "1"], "--tensor_parallel must be >= 2"),  # the old spelling, a hidden alias, names the new one
+    (["--tensor_parallel", "2", "--", "--model", "/nonexistent", "--compression_ratio", "0.5"], "no such model directory"),
+    (["--tensor_parallel", "2", "--", "--model", "MODEL", "--compression_ratio", "0.5", "--tensor_parallel", "4"],
+     "--tensor_parallel 4 (after `--`) disagrees with `voodoo tp --tensor_parallel 2`"),
 ])
 def test_voodoo_tp_refuses_bad_launches_in_one_line(tp_models, args, msg):
     d = tp_models["llama"]

@@ -32,9 +32,10 @@ def test_exactly_one_size_target():
 
 
 @pytest.fixture(scope="module")
-def exported(imatrix_llama256_hf_dir, synthetic_run_inputs, tmp_path_factory):
+def sized(imatrix_llama256_hf_dir, synthetic_run_inputs, tmp_path_factory):
+    """(model dir, run root, the runs' common TrainConfig fields, a target inside what the menu
+    reaches, the estimate of the rest of the file)."""
     from voodoo_quant.student.build import fixed_tensors
-    from voodoo_quant.tools.export import ExportConfig, export
     from voodoo_quant.training.config import TrainConfig
     from voodoo_quant.training.target_size import other_bytes
     from voodoo_quant.training.trainer import Trainer
@@ -50,6 +51,16 @@ def exported(imatrix_llama256_hf_dir, synthetic_run_inputs, tmp_path_factory):
     run = probe.prepare(build=False)
     rest = other_bytes(d, run.plans, fixed_tensors(run.plans, None))
     target = rest + run.budget.fixed_bytes + int(0.6 * run.budget.q8_bytes)
+    return d, root, common, target, rest
+
+
+@pytest.fixture(scope="module")
+def exported(sized):
+    from voodoo_quant.tools.export import ExportConfig, export
+    from voodoo_quant.training.config import TrainConfig
+    from voodoo_quant.training.trainer import Trainer
+
+    d, root, common, target, rest = sized
     cfg = TrainConfig(target_size=str(target), output_dir=str(root / "run"), **common)
     res = Trainer(cfg).train()
     out = export(ExportConfig(model=d, assignment=res.assignment_json, output_dir=root / "out",
@@ -57,16 +68,47 @@ def exported(imatrix_llama256_hf_dir, synthetic_run_inputs, tmp_path_factory):
     return target, rest, res, out
 
 
+@pytest.mark.slow
+def test_the_dry_run_plans_the_budget_training_computes(sized):
+    # `voodoo train --dry_run --target_size ...`: the same budget as the trainer's setup, from the same flags
+    from voodoo_quant.cli.tp import parse_train_flags
+    from voodoo_quant.memory.plan import dry_run
+    from voodoo_quant.training.trainer import Trainer
+
+    d, root, common, target, rest = sized
+    flags = ["--model", str(d), "--data_dir", common["data_dir"], "--imatrix", common["imatrix"],
+             "--output_dir", str(root / "dry"), "--seq_len", "32", "--batch_size", "2", "--max_steps", "2",
+             "--candidate_types", *MENU, "--error_compensation", "none", "--no_warm_start", "--no_polish",
+             "--no_guarantee", "--target_size", str(target)]
+    planned = dry_run(parse_train_flags(flags + ["--dry_run"])).budget
+    trained = Trainer(parse_train_flags(flags)).prepare(build=False).budget
+    assert planned == trained
+    # the rest of the file came off the target: the selectable tensors' upper bound fits what is left
+    assert 0 <= target - rest - planned.fixed_bytes - planned.upper_bytes <= 2  # int() rounding
+    # a weightless model directory cannot say what the rest of the file holds
+    bare = root / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text((d / "config.json").read_text())
+    with pytest.raises(ConfigError, match="--target_size needs"):
+        dry_run(parse_train_flags(["--model", str(bare), "--output_dir", str(root / "dry2"),
+                                   "--candidate_types", *MENU, "--target_size", str(target), "--dry_run"]))
+
+
+@pytest.mark.slow
 def test_the_file_is_at_most_the_target_and_close_to_it(exported):
     target, rest, res, out = exported
     size = out.path.stat().st_size
-    print(f"target {target:,} bytes, file {size:,} bytes ({size / target:.4f} of the target)")
+    selected = sum(t.nbytes for t in res.assignment.tensors.values())
+    room = target - rest - out.fixed_bytes  # what the budget left the selectable tensors
+    print(f"target {target:,} bytes, file {size:,} bytes ({size / target:.4f} of the target); selectable "
+          f"tensors {selected:,} of the {room:,} left them ({selected / room:.4f}), fixed {out.fixed_bytes:,}")
     assert size <= target
     # the selectable tensors land within the dead zone below the upper bound (2 % tolerance)
     assert size >= 0.95 * target, (size, target)
     assert res.assignment.meta["target_size"] == target
 
 
+@pytest.mark.slow
 def test_the_rest_of_the_file_is_counted_from_above_and_tightly(exported):
     # what the file holds beside the selectable and fixed tensors, as written, against the estimate
     target, rest, res, out = exported

@@ -8,7 +8,7 @@
   occurrence) takes every value up to the next flag, ``--gguf a.gguf b.gguf`` as
   ``--gguf a.gguf --gguf b.gguf`` (``--candidate_types Q8_0 Q5_K IQ3_S``, as in the reference
   recipe). Which flags are lists is read from the command itself (:func:`declared_flags`).
-Everything after a bare ``--`` is left untouched (``voodoo tp --nproc 4 -- <train flags>``
+Everything after a bare ``--`` is left untouched (``voodoo tp --tensor_parallel 4 -- <train flags>``
 hands it to the train processes verbatim).
 """
 

@@ -1,6 +1,6 @@
 """Scale-out: tensor parallelism over torch.distributed, and layer-wise ``--device_map``.
 
-Tensor parallelism (``voodoo tp --nproc N``, one process per device, started by torchrun):
+Tensor parallelism (``voodoo tp --tensor_parallel N``, one process per device, started by torchrun):
 
 * **Shards.** An adapter's ``shard_layer`` says, per parameter of a decoder layer, which dimension
   is split and how (:class:`Shard`: fused groups such as LFM2's ``[B|C|x]`` rows or Qwen3.5's
@@ -190,7 +190,7 @@ class TPContext:
         if not dist.is_initialized():
             if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
                 raise ConfigError(f"--tensor_parallel {expect_world} runs under torchrun: use "
-                                  f"`voodoo tp --nproc {expect_world} -- <train flags>`")
+                                  f"`voodoo tp --tensor_parallel {expect_world} -- <train flags>`")
             if backend == "nccl":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
             # rank 0 alone fills the candidate cache and computes the sensitivity table while the

@@ -43,7 +43,7 @@ import torch.nn as nn
 from ..candidates.compensate import FACTOR_CACHE_BYTES
 from ..core import envs
 from ..core.units import GB
-from ..selection.budget import make_budget
+from ..selection.budget import Budget
 from ..training.guarantee import plan_references, rung_bytes, stock_provider
 from ..training.hessians import compensable
 from ..training.layer_hessians import phase_bytes
@@ -89,17 +89,15 @@ def measure_phase(cfg, *, db: int, hidden: int, vocab_rank: int, n_layers: int, 
     return MeasurePhase(max(served, probe) + teacher + prefix, note + " GB")
 
 
-def references_bytes(cfg, model: nn.Module, plans: Sequence, covered: set[str],
+def references_bytes(cfg, model: nn.Module, plans: Sequence, covered: set[str], budget: Budget,
                      frac: Mapping[str, float] | None = None) -> tuple[float, str]:
     """The packed candidates of the guarantee's off-menu types (``training/references.py``: a stock
     recipe's Q6_K where the menu has none), made in the trainer's setup and held in RAM to the end
     of the run, with a note of which types. The same references the trainer plans: the uniform
-    files and stock recipes that fit the budget (the knapsack is made of menu types). `frac`: the
+    files and stock recipes that fit `budget`, the run's (the knapsack is made of menu types). `frac`: the
     share of each tensor a tensor-parallel rank holds (its shard's bytes). 0 without the guarantee."""
     if not cfg.guarantee:
         return 0.0, ""
-    budget = make_budget(plans, compression_ratio=cfg.compression_ratio, target_bits=cfg.target_bits,
-                         budget_reduction=cfg.budget_reduction, tolerance=cfg.size_tolerance)
     stock = stock_provider(plans, getattr(model, "config", None), has_imatrix=bool(covered))
     refs = plan_references(plans, budget.upper_bytes, covered=covered, stock=stock, stock_ftypes=cfg.stock_references,
                            menu_types=sorted({t for p in plans for t in p.menu.types}))

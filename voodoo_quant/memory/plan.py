@@ -56,9 +56,10 @@ from ..distributed.parallel import decoder_layers, plan_tp
 from ..gguf import imatrix as im
 from ..model.lazyload import text_skeleton
 from ..model.lm_head import chunk_reason
-from ..selection.budget import make_budget
-from ..student.build import IdentityLayout, converter_layouts, plan_model, selectable_weights
+from ..selection.budget import Budget
+from ..student.build import IdentityLayout, converter_layouts, fixed_tensors, plan_model, selectable_weights
 from ..student.layers import MIX_CHUNK_ELEMENTS, chunk_rows
+from ..training.target_size import run_budget
 from .phases import add_compensation, measure_phase, references_bytes, sensitivity_term
 from .probe import _layer_kinds, layer_saved_bytes
 from .terms import PROCESS_BASELINE, Term
@@ -133,11 +134,12 @@ def _rank_numel(name: str, shape: Sequence[int], tp_plan, world: int) -> int:
 
 def plan_memory(cfg, model: nn.Module, plans: Sequence, *, adapter=None, tp_plan=None, world: int = 1,
                 capacity: float | None = None, device_kind: str | None = None, replan=None,
-                covered: set[str] | None = None) -> MemoryPlan:
+                covered: set[str] | None = None, budget: Budget | None = None) -> MemoryPlan:
     """The memory plan of `cfg` (a TrainConfig) for `model` (a skeleton or loaded model, not yet
     split or gated) with its `plans`; `tp_plan` / `world` for a tensor-parallel rank. `replan`
     (changes -> MemoryPlan) lets the plan say which flag changes would make it fit. `covered`: the
-    GGUF names the imatrix holds (default: every tensor with --imatrix, none without)."""
+    GGUF names the imatrix holds (default: every tensor with --imatrix, none without). `budget`:
+    the run's (:func:`training.target_size.run_budget`; default: made here, without fixed tensors)."""
     db = DTYPE_BYTES[cfg.dtype]
     tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.dtype]
     kind = device_kind or ("cuda" if str(cfg.device).startswith("cuda") else "cpu")
@@ -270,7 +272,9 @@ def plan_memory(cfg, model: nn.Module, plans: Sequence, *, adapter=None, tp_plan
     # the guarantee's off-menu candidates, packed in RAM from the setup to the end of the run
     if covered is None:
         covered = {p.gguf_name for p in plans if p.gguf_name} if cfg.imatrix else set()
-    refs, refs_note = references_bytes(cfg, model, plans, covered, frac) if cfg.measures else (0.0, "")
+    if cfg.measures and budget is None:
+        budget = run_budget(cfg, plans, {})  # no layout map here: no tensor is known to be fixed
+    refs, refs_note = references_bytes(cfg, model, plans, covered, budget, frac) if cfg.measures else (0.0, "")
     refs_term = Term("guarantee's off-menu candidates (packed, in RAM)", refs, refs_note) if refs else None
     if refs_term and kind == "cpu":  # a CPU run's device is that RAM, through training too
         mp.device.append(refs_term)
@@ -389,7 +393,7 @@ def _advice(cfg, mp: MemoryPlan, capacity, replan) -> list[str]:
     if cfg.seq_len >= 1024:
         options.append((f"--seq_len {cfg.seq_len // 2}", {"seq_len": cfg.seq_len // 2}))
     if mp.world > 1:
-        options.append((f"--tensor_parallel {2 * mp.world} (--nproc {2 * mp.world})", {"__world": 2 * mp.world}))
+        options.append((f"--tensor_parallel {2 * mp.world}", {"__world": 2 * mp.world}))
     elif not cfg.teacher_device and str(cfg.device).startswith("cuda"):
         options.append(("--teacher_device cpu", {"teacher_device": "cpu"}))
     single, out = [], []
@@ -445,7 +449,9 @@ def device_capacity(cfg) -> float | None:
 
 def dry_run(cfg, world: int | None = None) -> DryRun:
     """Plan a run from the model's config alone (a skeleton on ``meta``: no weight, no tokens
-    file, no process group): menus, budget, the tensor-parallel split and the memory plan."""
+    file, no process group): menus, budget, the tensor-parallel split and the memory plan. The
+    budget is the trainer's (``training/target_size.run_budget``); ``--target_size`` needs the
+    weights' headers, to count the tensors the file holds beside the selectable ones."""
 
     world = world or cfg.tensor_parallel
     notes = []
@@ -465,14 +471,17 @@ def dry_run(cfg, world: int | None = None) -> DryRun:
         notes.append(f"--imatrix {cfg.imatrix} does not exist yet: planned as if it covered every tensor")
     plans = plan_model(model, adapter, cfg.menus, imatrix_names=names, layout_for=layout_for)
     covered = set(names or ())
-    budget = make_budget(plans, compression_ratio=cfg.compression_ratio, target_bits=cfg.target_bits,
-                         budget_reduction=cfg.budget_reduction, tolerance=cfg.size_tolerance)
+    if cfg.target_size is not None and not has_weights:
+        raise ConfigError(f"--target_size needs {cfg.model}'s weights (their headers: which tensors the file holds "
+                          f"beside the selectable ones); plan from config.json alone with --compression_ratio "
+                          f"or --target_bits")
+    budget = run_budget(cfg, plans, fixed_tensors(plans, layout_for))  # as the trainer's (training/setup.py)
     capacity = device_capacity(cfg)
 
     def plan_for(c, w: int, replan=None) -> MemoryPlan:
         tp_plan = plan_tp(model, adapter, w, plans) if w > 1 else None
         return plan_memory(c, model, plans, adapter=adapter, tp_plan=tp_plan, world=w, capacity=capacity,
-                           replan=replan, covered=covered)
+                           replan=replan, covered=covered, budget=budget)  # no replan changes the budget
 
     def replan(change: dict) -> MemoryPlan:
         change = dict(change)

@@ -31,9 +31,10 @@ def check_inputs(cfg, nproc: int, *, dry_run: bool = False) -> None:
     """What the ranks will need, checked once here with a clear message (model, files, devices).
     A dry run needs only the model's config: no checkpoints, tokens or GPUs."""
     if nproc < 2:
-        raise ConfigError(f"--nproc must be >= 2 for tensor parallelism, got {nproc} (use `voodoo train` on one device)")
+        raise ConfigError(f"--tensor_parallel must be >= 2 for `voodoo tp`, got {nproc} (use `voodoo train` on one device)")
     if cfg.tensor_parallel not in (1, nproc):
-        raise ConfigError(f"--tensor_parallel {cfg.tensor_parallel} disagrees with --nproc {nproc}")
+        raise ConfigError(f"the train flags' --tensor_parallel {cfg.tensor_parallel} (after `--`) disagrees with "
+                          f"`voodoo tp --tensor_parallel {nproc}`; leave it out, `voodoo tp` passes its own")
     if cfg.device_map:
         raise ConfigError("--device_map places layers on devices within one process; it does not combine with `voodoo tp`")
     if not Path(cfg.model).is_dir():
@@ -53,7 +54,7 @@ def check_inputs(cfg, nproc: int, *, dry_run: bool = False) -> None:
         if not accel.is_gpu:
             raise ConfigError(f"--device {cfg.device} but no GPU is usable: {accel.reason}")
         if len(accel.devices) < nproc:
-            raise ConfigError(f"--nproc {nproc} needs {nproc} GPUs; found {len(accel.devices)}: {accel.reason}")
+            raise ConfigError(f"--tensor_parallel {nproc} needs {nproc} GPUs; found {len(accel.devices)}: {accel.reason}")
     elif cfg.device != "cpu":
         raise ConfigError(f"`voodoo tp` runs one rank per device: use --device cuda (one GPU per rank) or cpu, not {cfg.device}")
 

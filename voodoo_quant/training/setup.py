@@ -22,10 +22,9 @@ from ..candidates.precache import CandidateJob, build_all
 from ..core import envs, fileio
 from ..core import qtypes as qt
 from ..core.errors import ConfigError, CorruptFileError
-from ..core.sizes import parse_size
 from ..gguf import imatrix as im
 from ..model.lazyload import meta_names, set_tensor
-from ..selection.budget import Budget, make_budget
+from ..selection.budget import Budget
 from ..student.build import (
     TensorPlan, attach_all, build_mixed, candidate_bytes, candidate_jobs, converter_layouts, fixed_tensors, plan_model,
     prior_logits, selectable_weights,
@@ -33,7 +32,7 @@ from ..student.build import (
 from ..student.layers import MixBuffers, MixedQuant
 from .config import TrainConfig
 from .models import materialize, reader_of
-from .target_size import other_bytes
+from .target_size import run_budget
 
 log = logging.getLogger(__name__)
 
@@ -145,20 +144,7 @@ def plan_run(cfg: TrainConfig, model: nn.Module, imx=None) -> tuple[ArchAdapter,
     names = set(imx.entries) if imx is not None else None
     plans = plan_model(model, adapter, cfg.menus, imatrix_names=names, layout_for=layout_for)
     fixed = fixed_tensors(plans, layout_for)  # quantizable, not selectable: counted at the base type
-    size = {}
-    if cfg.target_size is not None:  # the whole file: what the rest of it takes comes off first
-        size = {"file_bytes": parse_size(cfg.target_size, "--target_size"),
-                "other_bytes": other_bytes(cfg.model, plans, fixed)}
-    budget = make_budget(
-        plans,
-        compression_ratio=cfg.compression_ratio,
-        target_bits=cfg.target_bits,
-        budget_reduction=cfg.budget_reduction,
-        tolerance=cfg.size_tolerance,
-        fixed=fixed,
-        **size,
-    )
-    return adapter, plans, budget
+    return adapter, plans, run_budget(cfg, plans, fixed)
 
 
 def _layout_provider(cfg: TrainConfig, adapter: ArchAdapter):

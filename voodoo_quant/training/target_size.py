@@ -14,6 +14,9 @@ What is left of the target after these is what the selectable tensors may weigh 
 upper bound (``target × (1 + tolerance)``: what the bake, the guarantee and the knapsacks never
 exceed), so the written file is at most ``--target_size``, as llama.cpp's ``llama-quantize
 --target-size`` counts it. tests/test_target_size.py exports one and checks.
+
+:func:`run_budget` is the one place a run's size flags become its budget: the trainer's setup
+(``training/setup.py`` ``plan_run``) and the dry run's plan (``memory/plan.py``) both call it.
 """
 
 from __future__ import annotations
@@ -26,8 +29,10 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from ..core.errors import ConfigError
+from ..core.sizes import parse_size
 from ..gguf import converter
 from ..gguf.layout import model_layouts
+from ..selection.budget import Budget, make_budget
 
 log = logging.getLogger(__name__)
 
@@ -79,3 +84,22 @@ def selectable_target(file_bytes: int, other: int, fixed_bytes: int, tolerance: 
         raise ConfigError(f"--target_size {file_bytes:,} bytes leaves nothing for the weights: the file's "
                           f"metadata and the tensors no candidate covers take {other + fixed_bytes:,} bytes")
     return int(room / (1.0 + tolerance))
+
+
+def run_budget(cfg, plans: Sequence, fixed: Mapping[str, tuple[int, ...]]) -> Budget:
+    """The budget `cfg`'s (a TrainConfig) size flags ask for over `plans` and the `fixed` tensors
+    (``student.build.fixed_tensors``): ``--compression_ratio``, ``--target_bits`` or, for
+    ``--target_size``, the whole file less what the rest of it takes (:func:`other_bytes`)."""
+    size = {}
+    if cfg.target_size is not None:  # the whole file: what the rest of it takes comes off first
+        size = {"file_bytes": parse_size(cfg.target_size, "--target_size"),
+                "other_bytes": other_bytes(cfg.model, plans, fixed)}
+    return make_budget(
+        plans,
+        compression_ratio=cfg.compression_ratio,
+        target_bits=cfg.target_bits,
+        budget_reduction=cfg.budget_reduction,
+        tolerance=cfg.size_tolerance,
+        fixed=fixed,
+        **size,
+    )
