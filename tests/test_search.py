@@ -6,6 +6,7 @@ import torch
 from voodoo_quant.core.errors import ConfigError
 from voodoo_quant.experimental import search as S
 from voodoo_quant.training.config import TrainConfig
+from voodoo_quant.training.finalize import run_rungs
 from voodoo_quant.training.objective import HeldAside
 from voodoo_quant.training.rungs import menu_rungs, release, serve, total_bytes
 from voodoo_quant.training.trainer import Trainer
@@ -243,7 +244,7 @@ def test_training_writes_the_best_of_gates_and_references(gate_model_dir, tmp_pa
     assert total == sum(t.nbytes for t in res.assignment.tensors.values())
     # the written assignment is the one measured: serve it and measure again
     held = HeldAside(tr.run.student, tr.run.teacher, tr.run.held_tokens, device=tr.run.device)
-    rungs = menu_rungs(tr.run.plans, tr.run.mixed)
+    rungs = run_rungs(tr.run)  # the menus and the references' off-menu types (a uniform file may win)
     for n, t in res.assignment.tensors.items():
         rungs[n].add(t.qtype, t.nbytes)
     try:

@@ -150,10 +150,12 @@ class Trainer:
                                     progress=self.progress, need_curvature=need_curv, device=device,
                                     hashes=self.run.candidate_sha256)
             self.run.sensitivity, self.run.curvature = sens.table, sens.curvature
-            if cfg.method == "sensitivity" and not self.run.candidate_sha256:  # a stored table read no candidate
-                read = candidate_sources(plans, reader_weights(base, plans), vectors, hashes=self.run.candidate_sha256)
-                for p in plans:
-                    read(p)
+        if not (build and cfg.method == "gates") and not self.run.candidate_sha256:
+            # no student is built (the knapsack alone, a finalize) and a stored table read no
+            # candidate: the assignment still records each chosen candidate's sha256 for export
+            read = candidate_sources(plans, reader_weights(base, plans), vectors, hashes=self.run.candidate_sha256)
+            for p in plans:
+                read(p)
         if build and cfg.method == "gates" and self.measures:
             # rank 0 quantizes the references' off-menu candidates into the cache and extends the
             # stored curvature to them; the others read both (every rank ranks moves alike)
