@@ -9,7 +9,11 @@ source names.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 PACKAGE = "voodoo_quant"
 PACKAGE_DIR = Path(__file__).resolve().parents[1] / PACKAGE
@@ -173,3 +177,15 @@ def test_the_checks_name_an_upward_import_a_cycle_and_a_stray_root_module(tmp_pa
     assert find_cycle(graph) == ["voodoo_quant.training.trainer", "voodoo_quant.training.journal",
                                  "voodoo_quant.training.trainer"]
     assert [m for m in root_modules(pkg) if m not in ROOT_MODULES] == ["stray"]
+
+
+# -- what start-up loads --------------------------------------------------------------------------
+@pytest.mark.parametrize("code", [
+    "import typer, voodoo_quant.cli.app as a; typer.main.get_command(a.app)",  # what `voodoo --help` builds
+    "import voodoo_quant.api",
+])
+def test_start_up_loads_no_torch_numpy_or_transformers(code):
+    # a fresh interpreter: the test process has torch loaded already
+    probe = f"{code}\nimport sys\nprint(sorted(m for m in ('torch', 'numpy', 'transformers') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", f"{code!r} loads {out.strip()}: import it inside the function that needs it"

@@ -6,7 +6,7 @@ from typing import List, Optional
 
 import typer
 
-from ..tools.precache import _TRAIN
+from ..training.config import TRAIN_DEFAULTS as _TRAIN
 from .common import console, report_errors
 
 

@@ -22,7 +22,7 @@ costly part of a large model's candidates; ``--shard`` spreads it like the rest.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..arch import adapter_for
@@ -38,13 +38,13 @@ from ..model.lazyload import WeightReader, text_skeleton
 from ..selection.menus import DEFAULT_CANDIDATES, MenuConfig, default_fill
 from ..student.build import converter_layouts, plan_model, selectable_weights
 from ..training.compensation import write_if_missing
-from ..training.config import TrainConfig
+from ..training.config import TRAIN_DEFAULTS
 from ..training.hessians import hessian_key
 from ..training.models import load_into
 from ..training.provenance import model_weights_sha256
 from ..training.setup import _ReaderWeights, _jobs, hold_aside, imatrix_vectors, load_tokens
 
-_TRAIN = {f.name: f.default for f in fields(TrainConfig)}  # the settings the run's Hessians are keyed by
+_TRAIN = TRAIN_DEFAULTS  # the settings the run's Hessians are keyed by
 
 
 @dataclass

@@ -309,3 +309,7 @@ class TrainConfig:
         if self.compensation == "none":  # their values reach nothing without compensation
             del d["compensation_sequences"], d["compensation_damp"], d["compensation_sweep"]
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# Every setting's default, for the commands that restate a training run's settings (precache).
+TRAIN_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
