@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -189,9 +190,29 @@ def tiny_llama_f32_gguf(tmp_path_factory, tiny_llama_hf_dir):
     return out
 
 
+# The user's cache, read before the tests isolate theirs: where `make bench-models` put the
+# benchmark model, which the tests that need a real model read (never write).
+USER_CACHE_DIR = None
+
+
+@pytest.fixture(scope="session")
+def bench_model():
+    """BenchModelsConfig of the benchmark model in the user's cache; skips where it is absent."""
+    from voodoo_quant.tools.bench_models import MODEL_NAME, BenchModelsConfig
+
+    cfg = BenchModelsConfig(root=Path(USER_CACHE_DIR) / "bench-models" / MODEL_NAME, progress=False)
+    if not ((cfg.hf / "config.json").is_file() and cfg.gguf.is_file()):
+        pytest.skip("the benchmark model is not here (make bench-models)")
+    return cfg
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_candidate_cache(tmp_path_factory):
     """Tests never write into the user's cache: candidates go under a session temp dir."""
+    global USER_CACHE_DIR
+    from voodoo_quant.core import envs
+
+    USER_CACHE_DIR = str(envs.cache_dir())
     old = os.environ.get("VOODOO_CACHE_DIR")
     os.environ["VOODOO_CACHE_DIR"] = str(tmp_path_factory.mktemp("voodoo_cache"))
     yield

@@ -232,3 +232,19 @@ def test_make_teacher_takes_the_degrid_block(tmp_path):
 
     with pytest.raises(ConfigError, match="--degrid_block must be one of 16, 32"):
         MakeTeacherConfig(model=str(tmp_path), output_dir=tmp_path / "o", degrid_seed=0, degrid_block=64)
+
+
+@pytest.mark.slow
+def test_the_qwen2_layout_is_the_shipped_gguf_s(bench_model):
+    """On the real benchmark model (where `make bench-models` ran: the tiny qwen2 export tests
+    cannot run the converter on their SmolLM2 tokenizer under transformers 5), every HF tensor the
+    layouts map lands on a tensor of the GGUF llama.cpp's converter wrote upstream, with its name
+    and shape, and every 2-D tensor of that file is accounted for."""
+    from voodoo_quant.gguf.converter import vendored_gguf
+    from voodoo_quant.gguf.layout import model_layouts
+    cfg = bench_model
+    shipped = {t.name: tuple(int(x) for x in reversed(t.shape)) for t in vendored_gguf().GGUFReader(str(cfg.gguf)).tensors}
+    layouts = model_layouts(cfg.hf)
+    assert len(layouts) == sum(1 for s in shipped.values() if len(s) == 2) == 28 * 7 + 2
+    for name, lay in layouts.items():
+        assert shipped[lay.gguf_name] == tuple(lay.gguf_shape), name
