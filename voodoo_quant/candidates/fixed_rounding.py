@@ -37,7 +37,7 @@ _INT = {"Q2_K": (0, 3), "Q3_K": (-4, 3), "Q4_K": (0, 15), "Q5_K": (0, 31), "Q6_K
 # the types the "fixed" sweep rounds this way (compensate.py). The grid types' rounding below is
 # kept and tested but not used by the sweep: libggml-base does not quantize their rounded values
 # back to themselves (it chooses its scales again), and the file's layer error was 8–36 % above
-# the per-step sweep's (docs/lab/2026-12-04-fast-compensation.md)
+# the per-step sweep's (docs/lab/2026-12-05-fast-compensation.md)
 SWEEP_TYPES = frozenset({*_INT, "IQ4_XS"})
 _VALUES = {"IQ4_XS": "kvalues_iq4nl"}
 # grid table, group length, sign rule: "free" (a stored bit per weight), "even" (ksigns: an even
