@@ -39,6 +39,7 @@ from ..selection.menus import MenuConfig
 from ..training.config import SEQ_LEN, TrainConfig
 from .data import META_NAME, TRAIN_NAME, DataConfig, make_data
 from .data import EVAL_NAME as E
+from .ladder_display import LadderDisplay
 from .manifest import Clock, Manifests, digest
 from .variant import Variant
 
@@ -206,43 +207,8 @@ class QuantizeResult:
     seconds: dict[str, float]  # per step that ran now
 
 
-class _Display:
-    """One rich progress display for the whole ladder: an overall bar and the current step's."""
-
-    def __init__(self, enabled: bool, total: int):
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
-        self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                 TimeElapsedColumn(), disable=not enabled)
-        self.enabled = enabled
-        self.overall = self.progress.add_task("[bold]voodoo quantize", total=total)
-        self.current = None
-
-    def __enter__(self):
-        self.progress.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self.progress.__exit__(*exc)
-
-    def begin(self, name: str, total: int | None = None) -> None:
-        self.current = self.progress.add_task(f"  {name}", total=total)
-
-    def advance(self, n: float = 1) -> None:
-        if self.current is not None:
-            self.progress.advance(self.current, n)
-
-    def end(self, name: str, note: str) -> None:
-        if self.current is not None:
-            self.progress.remove_task(self.current)
-            self.current = None
-        self.progress.advance(self.overall)
-        if self.enabled:
-            self.progress.console.print(f"[green]✓[/green] {name}: {note}")
-
-
 class Ladder:
-    def __init__(self, cfg: QuantizeConfig, display: _Display, pre):
+    def __init__(self, cfg: QuantizeConfig, display: LadderDisplay, pre):
         self.cfg, self.ui, self.pre = cfg, display, pre
         out = cfg.output_dir
         self.work = out / "work"
@@ -487,7 +453,7 @@ def open_ladder(cfg: QuantizeConfig, *, progress: bool = False) -> Iterator[Ladd
     from .preflight import preflight  # lazy: voodoo_quant.api imports this module
 
     pre = preflight(cfg)
-    with _Display(progress, step_count(cfg)) as ui:
+    with LadderDisplay(progress, step_count(cfg)) as ui:
         yield Ladder(cfg, ui, pre)
 
 
@@ -500,5 +466,5 @@ def quantize(cfg: QuantizeConfig, *, progress: bool = True) -> QuantizeResult:
 
         hf_logging.disable_progress_bar()
     pre = preflight(cfg)
-    with _Display(progress, step_count(cfg)) as ui:
+    with LadderDisplay(progress, step_count(cfg)) as ui:
         return Ladder(cfg, ui, pre).run()
