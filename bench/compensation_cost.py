@@ -10,8 +10,15 @@ seconds per 1e9 weights on one core, and the layer objective of the file's bytes
 E = W − Ŵ, each sweep's over plain's. The factor of each sweep is timed once per matrix (it is
 shared by a tensor's types and by the tensors that read the same input).
 
+Variants of the "fixed" sweep for the grid IQ types (compensate.GRID_STEPS, GRID_HOLD): a sweep
+named ``fixed-rR`` quantizes a grid superblock again every R-th 32-column step and rounds the steps
+between with the last quantization's scales; ``fixed-kK`` quantizes it at its first K steps only
+(the last 8 − K steps rounded with the K-th quantization's scales); a trailing ``h`` also writes the
+rounded values into W'. ``fixed`` is the sweep as the product runs it.
+
     .venv/bin/python bench/compensation_cost.py --shape 1536x1536 --shape 256x8960
     .venv/bin/python bench/compensation_cost.py --shape 1536x1536 --types Q4_K,IQ2_S --sweeps fixed
+    .venv/bin/python bench/compensation_cost.py --types IQ3_S,IQ2_S --sweeps fixed-r1,fixed-r2,fixed-r4,fixed-r8
 """
 
 from __future__ import annotations
@@ -63,6 +70,17 @@ def problem(rows: int, n: int, seed: int = 0):
     return W, H, vec
 
 
+def variant(sweep: str) -> tuple[str, frozenset | None, bool]:
+    """(the product's sweep name, GRID_STEPS or None for the module's own, GRID_HOLD) of `sweep`."""
+    if not sweep.startswith(("fixed-r", "fixed-k")):
+        return sweep, None, False
+    kind, arg = sweep[len("fixed-")], sweep[len("fixed-") + 1:]
+    hold = arg.endswith("h")
+    k = int(arg.rstrip("h"))
+    steps = range(0, 8, k) if kind == "r" else range(k)
+    return "fixed", frozenset(steps), hold
+
+
 def main() -> None:
     import torch
 
@@ -84,11 +102,15 @@ def main() -> None:
         H64 = H.astype(np.float64)
         comps = {}
         for sw in sweeps:
+            base_sweep = variant(sw)[0]
+            if any(variant(o)[0] == base_sweep for o in comps):
+                comps[sw] = next(c for o, c in comps.items() if variant(o)[0] == base_sweep)
+                continue
             compensate.release_factors()
-            comps[sw] = Compensation(H, sweep=sw)
+            comps[sw] = Compensation(H, sweep=base_sweep)
             t = time.perf_counter()
             comps[sw].factor()
-            print(f"# {rows} x {n}: factor of the {sw} sweep {time.perf_counter() - t:.2f} s", flush=True)
+            print(f"# {rows} x {n}: factor of the {base_sweep} sweep {time.perf_counter() - t:.2f} s", flush=True)
         print(f"{'type':8} {'plain s':>8} {'s/1e9w':>8} " + " ".join(
             f"{sw + ' s':>10} {'÷plain':>7} {'in ggml':>8} {'s/1e9w':>8} {'obj÷plain':>9}" for sw in sweeps), flush=True)
 
@@ -109,8 +131,15 @@ def main() -> None:
             for sw in sweeps:
                 compensate._FACTORS[comps[sw].digest] = comps[sw].factor()  # kept: the walk alone is timed
                 timed = _Timed(lib)
+                _, steps, hold = variant(sw)
+                saved = compensate.GRID_STEPS, compensate.GRID_HOLD
+                if steps is not None:
+                    compensate.GRID_STEPS, compensate.GRID_HOLD = steps, hold
                 t = time.perf_counter()
-                m = compensated_matrix(W, q, vec, comps[sw], timed)
+                try:
+                    m = compensated_matrix(W, q, vec, comps[sw], timed)
+                finally:
+                    compensate.GRID_STEPS, compensate.GRID_HOLD = saved
                 data = lib.quantize(m, q, vec, name="bench", workers=1)  # the candidate's bytes
                 dt = time.perf_counter() - t
                 deq = lib.dequantize(data, q, m.shape, name="bench")

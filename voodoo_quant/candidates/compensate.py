@@ -64,6 +64,12 @@ LAZY = 128  # columns of a 32-block type updated together before the rest of the
 STEP = 32  # columns fixed per step: a block, or a 256-superblock's sub-block (its scale's span)
 # superblock types compensated one whole superblock per step (module docstring: measured)
 WHOLE_SUPERBLOCK = frozenset({"Q5_K"})
+# the "fixed" sweep's grid IQ superblocks (fixed_rounding.supports, not SWEEP_TYPES): quantized by
+# libggml-base again at the 32-column steps GRID_STEPS names (index within the superblock; None: all),
+# the steps between rounded with the last quantization's scales (W' keeps the updated weights);
+# GRID_HOLD: W' holds those rounded values. Measured variants (bench/compensation_cost.py)
+GRID_STEPS: frozenset | None = None
+GRID_HOLD = False
 
 
 @dataclass(frozen=True)
@@ -252,25 +258,31 @@ def _sweep_fixed(m: np.ndarray, q: qt.QType, imatrix, U, dead, lib, B: int) -> n
     step = min(B, STEP)
     group = B if B > STEP else max(B, LAZY)
     fixed = B > STEP and q.name in fixed_rounding.SWEEP_TYPES
+    grid = B > STEP and not fixed and fixed_rounding.supports(q)
+    steps = GRID_STEPS if grid and GRID_STEPS is not None else None
+    hold = fixed or (steps is not None and GRID_HOLD)
     for g0 in range(0, n, group):
         g1 = min(n, g0 + group)
         errs = torch.empty(rows, g1 - g0, dtype=torch.float32)
         scales = None
         for s0 in range(g0, g1, step):
             s1 = s0 + step
+            if s1 == n and not hold:  # the row's last step: its error has no column to go to
+                errs[:, s0 - g0:] = 0
+                break
             b0 = (s0 // B) * B  # the block holding the step
-            if fixed and scales is not None:
+            if scales is not None and (fixed or (s0 - b0) // step not in steps):
                 Q = scales.round(W[:, s0:s1], s0 - b0, s1 - b0)
             else:
                 blk = np.ascontiguousarray(W[:, b0:b0 + B].numpy())
                 v = None if vec is None else vec[b0:b0 + B]
                 data = lib.quantize(blk, q, v, name="compensation", workers=1)
                 Q = torch.from_numpy(lib.dequantize(data, q, blk.shape, name="compensation")[:, s0 - b0:s1 - b0])
-                if fixed:
+                if fixed or steps is not None:
                     scales = fixed_rounding.FixedScales(data, q, rows, B, v)
             E = (W[:, s0:s1] - Q) * live[s0:s1]
             err = torch.linalg.solve_triangular(U[s0:s1, s0:s1], E, upper=True, left=False)
-            if fixed:
+            if hold:
                 W[:, s0:s1] = Q
             W[:, s1:g1] -= err @ U[s0:s1, s1:g1]
             errs[:, s0 - g0:s1 - g0] = err
