@@ -14,7 +14,11 @@ Variants of the "fixed" sweep for the grid IQ types (compensate.GRID_STEPS, GRID
 named ``fixed-rR`` quantizes a grid superblock again every R-th 32-column step and rounds the steps
 between with the last quantization's scales; ``fixed-kK`` quantizes it at its first K steps only
 (the last 8 − K steps rounded with the K-th quantization's scales); a trailing ``h`` also writes the
-rounded values into W'. ``fixed`` is the sweep as the product runs it.
+rounded values into W'; ``fixed-pP`` walks each grid superblock P times, each pass rounding with
+libggml-base's values for what the previous pass left (GRID_PASSES), ``fixed-pPt`` with those
+values' scales and the torch rounding (GRID_PASS_ROUND); ``fixed-pack`` rounds each step by
+libggml-base's quantization of a probe: the step's 32 columns of 8 rows side by side as one
+256-wide row (GRID_PACK). ``fixed`` is the sweep as the product runs it.
 
     .venv/bin/python bench/compensation_cost.py --shape 1536x1536 --shape 256x8960
     .venv/bin/python bench/compensation_cost.py --shape 1536x1536 --types Q4_K,IQ2_S --sweeps fixed
@@ -70,15 +74,19 @@ def problem(rows: int, n: int, seed: int = 0):
     return W, H, vec
 
 
-def variant(sweep: str) -> tuple[str, frozenset | None, bool]:
-    """(the product's sweep name, GRID_STEPS or None for the module's own, GRID_HOLD) of `sweep`."""
-    if not sweep.startswith(("fixed-r", "fixed-k")):
-        return sweep, None, False
+def variant(sweep: str) -> tuple[str, dict]:
+    """(the product's sweep name, the compensate module's GRID_* settings for it) of `sweep`."""
+    if sweep == "fixed-pack":
+        return "fixed", {"GRID_PACK": True}
+    if not sweep.startswith(("fixed-r", "fixed-k", "fixed-p")):
+        return sweep, {}
     kind, arg = sweep[len("fixed-")], sweep[len("fixed-") + 1:]
-    hold = arg.endswith("h")
-    k = int(arg.rstrip("h"))
+    flag = arg.endswith(("h", "t"))
+    k = int(arg.rstrip("ht"))
+    if kind == "p":
+        return "fixed", {"GRID_PASSES": k, "GRID_PASS_ROUND": flag}
     steps = range(0, 8, k) if kind == "r" else range(k)
-    return "fixed", frozenset(steps), hold
+    return "fixed", {"GRID_STEPS": frozenset(steps), "GRID_HOLD": flag}
 
 
 def main() -> None:
@@ -131,15 +139,16 @@ def main() -> None:
             for sw in sweeps:
                 compensate._FACTORS[comps[sw].digest] = comps[sw].factor()  # kept: the walk alone is timed
                 timed = _Timed(lib)
-                _, steps, hold = variant(sw)
-                saved = compensate.GRID_STEPS, compensate.GRID_HOLD
-                if steps is not None:
-                    compensate.GRID_STEPS, compensate.GRID_HOLD = steps, hold
+                settings = variant(sw)[1]
+                saved = {k: getattr(compensate, k) for k in settings}
+                for k, v in settings.items():
+                    setattr(compensate, k, v)
                 t = time.perf_counter()
                 try:
                     m = compensated_matrix(W, q, vec, comps[sw], timed)
                 finally:
-                    compensate.GRID_STEPS, compensate.GRID_HOLD = saved
+                    for k, v in saved.items():
+                        setattr(compensate, k, v)
                 data = lib.quantize(m, q, vec, name="bench", workers=1)  # the candidate's bytes
                 dt = time.perf_counter() - t
                 deq = lib.dequantize(data, q, m.shape, name="bench")

@@ -118,3 +118,36 @@ def test_export_writes_the_recorded_bytes_or_refuses(tmp_path):
                            allow=True) == trained
     with pytest.raises(ProvenanceMismatchError, match="w: the Q4_K bytes"):  # plain candidates are checked too
         candidate_bytes(cache, W, "Q4_K", imx, None, want, name="w")
+
+
+class _Counted:
+    """libggml-base with its quantize calls counted."""
+
+    def __init__(self, lib):
+        self.lib, self.calls = lib, 0
+
+    def __getattr__(self, name):
+        return getattr(self.lib, name)
+
+    def quantize(self, *a, **k):
+        self.calls += 1
+        return self.lib.quantize(*a, **k)
+
+
+def test_a_grid_superblock_is_quantized_at_every_step_but_the_rows_last(monkeypatch):
+    """The grid IQ types walk with libggml-base at every 32-column step (compensate.GRID_STEPS is
+    None: the cheaper variants measured worse, docs/lab/2026-12-05-grid-compensation.md); the row's
+    last step has no later column to pass its error to, so it costs no call. A variant named by
+    GRID_STEPS quantizes only at those steps and still hands libggml-base W' for the bytes."""
+    lib = ggml.lib()
+    W, _, H, imx = _problem(rows=8, n=512, tokens=1024, seed=13)
+    c = Compensation(H, 0.1)
+    assert compensate.GRID_STEPS is None
+    counted = _Counted(lib)
+    m = compensated_matrix(W, "IQ3_S", imx, c, counted)
+    assert counted.calls == 512 // 32 - 1
+    monkeypatch.setattr(compensate, "GRID_STEPS", frozenset({0, 4}))
+    counted = _Counted(lib)
+    m2 = compensated_matrix(W, "IQ3_S", imx, c, counted)
+    assert counted.calls == 4 and not np.array_equal(m, m2)
+    assert quantize_compensated(W, "IQ3_S", imx, c) == lib.quantize(m2, "IQ3_S", imx)

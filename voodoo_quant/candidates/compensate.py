@@ -70,6 +70,14 @@ WHOLE_SUPERBLOCK = frozenset({"Q5_K"})
 # GRID_HOLD: W' holds those rounded values. Measured variants (bench/compensation_cost.py)
 GRID_STEPS: frozenset | None = None
 GRID_HOLD = False
+# a grid superblock walked GRID_PASSES times (0: per step, as above): each pass takes, for every
+# step, the values libggml-base gave the superblock the previous pass left (the first: as the walk
+# reached it), or with GRID_PASS_ROUND those values' scales and the torch rounding
+GRID_PASSES = 0
+GRID_PASS_ROUND = False
+# a grid step's rounding from a probe: the step's 32 columns of 8 rows side by side as one 256-wide
+# row (the imatrix slice repeated), quantized by libggml-base (rows × 32 weights a step, not rows × 256)
+GRID_PACK = False
 
 
 @dataclass(frozen=True)
@@ -261,8 +269,15 @@ def _sweep_fixed(m: np.ndarray, q: qt.QType, imatrix, U, dead, lib, B: int) -> n
     grid = B > STEP and not fixed and fixed_rounding.supports(q)
     steps = GRID_STEPS if grid and GRID_STEPS is not None else None
     hold = fixed or (steps is not None and GRID_HOLD)
+    passes = int(GRID_PASSES) if grid else 0
+    pack = grid and bool(GRID_PACK)
     for g0 in range(0, n, group):
         g1 = min(n, g0 + group)
+        if passes:
+            errs = _superblock_passes(W, g0, g1, q, vec, U, live, lib, passes, bool(GRID_PASS_ROUND))
+            if g1 < n:
+                W[:, g1:] -= errs @ U[g0:g1, g1:]
+            continue
         errs = torch.empty(rows, g1 - g0, dtype=torch.float32)
         scales = None
         for s0 in range(g0, g1, step):
@@ -273,6 +288,8 @@ def _sweep_fixed(m: np.ndarray, q: qt.QType, imatrix, U, dead, lib, B: int) -> n
             b0 = (s0 // B) * B  # the block holding the step
             if scales is not None and (fixed or (s0 - b0) // step not in steps):
                 Q = scales.round(W[:, s0:s1], s0 - b0, s1 - b0)
+            elif pack:
+                Q = _packed_rounding(W[:, s0:s1], q, None if vec is None else vec[s0:s1], lib, B)
             else:
                 blk = np.ascontiguousarray(W[:, b0:b0 + B].numpy())
                 v = None if vec is None else vec[b0:b0 + B]
@@ -289,6 +306,51 @@ def _sweep_fixed(m: np.ndarray, q: qt.QType, imatrix, U, dead, lib, B: int) -> n
         if g1 < n:
             W[:, g1:] -= errs @ U[g0:g1, g1:]
     return W.numpy()
+
+
+def _packed_rounding(x, q: qt.QType, v, lib, B: int):
+    """The rounding of `x` (rows × 32) that libggml-base gives when the 32 columns of B/32 rows
+    are laid side by side as one B-wide row (rows padded with zeros)."""
+    import torch
+
+    rows, w = x.shape
+    per = B // w
+    pad = (-rows) % per
+    blk = x if not pad else torch.cat([x, torch.zeros(pad, w, dtype=x.dtype)])
+    probe = np.ascontiguousarray(blk.numpy().reshape(-1, B))
+    vv = None if v is None else np.ascontiguousarray(np.tile(v, per))
+    data = lib.quantize(probe, q, vv, name="compensation", workers=1)
+    return torch.from_numpy(lib.dequantize(data, q, probe.shape, name="compensation").reshape(-1, w)[:rows])
+
+
+def _superblock_passes(W, g0: int, g1: int, q: qt.QType, vec, U, live, lib, passes: int, rnd: bool):
+    """Walk the superblock W[:, g0:g1] `passes` times from the values it has when the walk reaches
+    it, each pass's rounding taken from libggml-base's quantization of what the previous pass left;
+    W[:, g0:g1] gets the last pass's weights. Returns the errors (rows × width) to pass on."""
+    import torch
+
+    from . import fixed_rounding
+
+    rows = W.shape[0]
+    start = W[:, g0:g1].clone()
+    v = None if vec is None else vec[g0:g1]
+    sb = start
+    for _ in range(passes):
+        blk = np.ascontiguousarray(sb.numpy())
+        data = lib.quantize(blk, q, v, name="compensation", workers=1)
+        D = None if rnd else torch.from_numpy(lib.dequantize(data, q, blk.shape, name="compensation"))
+        scales = fixed_rounding.FixedScales(data, q, rows, g1 - g0, v) if rnd else None
+        sb = start.clone()
+        errs = torch.empty(rows, g1 - g0, dtype=torch.float32)
+        for c0 in range(0, g1 - g0, STEP):
+            c1 = c0 + STEP
+            Q = scales.round(sb[:, c0:c1], c0, c1) if rnd else D[:, c0:c1]
+            E = (sb[:, c0:c1] - Q) * live[g0 + c0:g0 + c1]
+            err = torch.linalg.solve_triangular(U[g0 + c0:g0 + c1, g0 + c0:g0 + c1], E, upper=True, left=False)
+            sb[:, c1:] -= err @ U[g0 + c0:g0 + c1, g0 + c1:g1]
+            errs[:, c0:c1] = err
+    W[:, g0:g1] = sb
+    return errs
 
 
 def quantize_compensated(matrix: np.ndarray, qtype: str | qt.QType, imatrix: np.ndarray | None,
