@@ -18,7 +18,9 @@ rounded values into W'; ``fixed-pP`` walks each grid superblock P times, each pa
 libggml-base's values for what the previous pass left (GRID_PASSES), ``fixed-pPt`` with those
 values' scales and the torch rounding (GRID_PASS_ROUND); ``fixed-pack`` rounds each step by
 libggml-base's quantization of a probe: the step's 32 columns of 8 rows side by side as one
-256-wide row (GRID_PACK). ``fixed`` is the sweep as the product runs it.
+256-wide row (compensate.PACKED: every grid type); ``fixed-step`` quantizes every grid superblock
+again at each step (PACKED empty). Every variant but ``fixed-pack`` empties PACKED. ``fixed`` is
+the sweep as the product runs it.
 
     .venv/bin/python bench/compensation_cost.py --shape 1536x1536 --shape 256x8960
     .venv/bin/python bench/compensation_cost.py --shape 1536x1536 --types Q4_K,IQ2_S --sweeps fixed
@@ -36,6 +38,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+GRID = ("IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M")
 MENU = ("Q8_0", "Q5_0", "Q6_K", "Q5_K", "Q4_K", "Q3_K", "Q2_K", "IQ4_XS", "IQ3_S", "IQ2_S", "IQ2_XXS", "IQ1_S")
 
 
@@ -77,16 +80,18 @@ def problem(rows: int, n: int, seed: int = 0):
 def variant(sweep: str) -> tuple[str, dict]:
     """(the product's sweep name, the compensate module's GRID_* settings for it) of `sweep`."""
     if sweep == "fixed-pack":
-        return "fixed", {"GRID_PACK": True}
+        return "fixed", {"PACKED": frozenset(GRID)}
+    if sweep == "fixed-step":
+        return "fixed", {"PACKED": frozenset()}
     if not sweep.startswith(("fixed-r", "fixed-k", "fixed-p")):
         return sweep, {}
     kind, arg = sweep[len("fixed-")], sweep[len("fixed-") + 1:]
     flag = arg.endswith(("h", "t"))
     k = int(arg.rstrip("ht"))
     if kind == "p":
-        return "fixed", {"GRID_PASSES": k, "GRID_PASS_ROUND": flag}
+        return "fixed", {"GRID_PASSES": k, "GRID_PASS_ROUND": flag, "PACKED": frozenset()}
     steps = range(0, 8, k) if kind == "r" else range(k)
-    return "fixed", {"GRID_STEPS": frozenset(steps), "GRID_HOLD": flag}
+    return "fixed", {"GRID_STEPS": frozenset(steps), "GRID_HOLD": flag, "PACKED": frozenset()}
 
 
 def main() -> None:
@@ -100,13 +105,14 @@ def main() -> None:
     ap.add_argument("--shape", action="append", help="ROWSxN (GGUF layout); repeatable", default=None)
     ap.add_argument("--types", default=",".join(MENU))
     ap.add_argument("--sweeps", default="requant,fixed")
+    ap.add_argument("--seed", type=int, default=0, help="the random problem's seed")
     a = ap.parse_args()
     torch.set_num_threads(1)
     lib = ggml.lib()
     sweeps = a.sweeps.split(",")
     for shape in a.shape or ["1536x1536"]:
         rows, n = (int(x) for x in shape.split("x"))
-        W, H, vec = problem(rows, n)
+        W, H, vec = problem(rows, n, a.seed)
         H64 = H.astype(np.float64)
         comps = {}
         for sw in sweeps:

@@ -25,9 +25,15 @@ is the sweep (:attr:`Compensation.sweep`):
   which libggml-base quantizes back to nearly themselves, so the error passed on is the file's).
   A grid IQ superblock (IQ1–IQ3) is quantized again at every step: libggml-base does not quantize
   their rounded values back to themselves (measured: 8–36 % more layer error with a fixed-scale
-  oracle). float32, updates applied a group at a time; the factor from one Cholesky of the
-  order-reversed H. Cost per candidate (``bench/compensation_cost.py``): 1.9–4.0× a plain one
-  for the K-quants and IQ4_XS, 7–10× for the grid IQ types.
+  oracle; requantizing every 2nd–8th step only, 8–37 %). Except for :data:`PACKED` (IQ2_XXS): a
+  sub-block's codes there depend on its own 32 values (the superblock adds only its scale's ruler
+  and the weights' sigma²), so a step is rounded by libggml-base on a probe holding the step's
+  columns of 8 rows side by side as one 256-wide row, a call on rows × 32 weights instead of
+  rows × 256 (measured 1.014–1.018× the per-step walk's layer objective; 1.02–1.07× for the other
+  grid types, which stay per step; docs/lab/2026-12-05-grid-compensation.md). float32, updates
+  applied a group at a time; the factor from one Cholesky of the order-reversed H. Cost per
+  candidate (``bench/compensation_cost.py``): 1.9–4.0× a plain one for the K-quants and IQ4_XS,
+  2.0–2.4× for IQ2_XXS, 9–11× for the other grid IQ types.
 - ``"requant"`` (the walk of assignments made before the sweep was a choice): the superblock is
   quantized again after each of its sub-blocks, float64; except for the types of
   :data:`WHOLE_SUPERBLOCK`, whose superblock is one step (their sub-block scales are coded against
@@ -56,7 +62,7 @@ from ..core import qtypes as qt
 from ..core.errors import QuantizationInputError
 
 ALGORITHM = "gptq-blocks/2"  # the "requant" sweep; /2: whole-superblock steps for WHOLE_SUPERBLOCK (Q5_K)
-FIXED_ALGORITHM = "gptq-fixed/1"  # the "fixed" sweep (:func:`_sweep_fixed`)
+FIXED_ALGORITHM = "gptq-fixed/2"  # the "fixed" sweep (:func:`_sweep_fixed`); /2: PACKED types' probe
 SWEEPS = ("fixed", "requant")
 DEFAULT_SWEEP = "fixed"
 DEFAULT_DAMP = 0.1
@@ -75,9 +81,12 @@ GRID_HOLD = False
 # reached it), or with GRID_PASS_ROUND those values' scales and the torch rounding
 GRID_PASSES = 0
 GRID_PASS_ROUND = False
-# a grid step's rounding from a probe: the step's 32 columns of 8 rows side by side as one 256-wide
-# row (the imatrix slice repeated), quantized by libggml-base (rows × 32 weights a step, not rows × 256)
-GRID_PACK = False
+# the grid types whose step is rounded from a probe (:func:`_packed_rounding`): the step's 32 columns
+# of 8 rows side by side as one 256-wide row (the imatrix slice repeated), quantized by libggml-base
+# (rows × 32 weights a step, not rows × 256). Measured (docs/lab/2026-12-05-grid-compensation.md):
+# IQ2_XXS 1.014-1.018x the per-step walk's layer objective at 2.0-2.4x a plain candidate's cost
+# (per step: 8.8-9.5x); IQ2_S, IQ1_S 1.02-1.03x and IQ3_S 1.06-1.07x, so they stay per step
+PACKED = frozenset({"IQ2_XXS"})
 
 
 @dataclass(frozen=True)
@@ -251,10 +260,14 @@ def _sweep_fixed(m: np.ndarray, q: qt.QType, imatrix, U, dead, lib, B: int) -> n
     libggml's values, each later step is rounded with that quantization's scales held fixed
     (fixed_rounding.py), and W' holds the rounded values: a superblock of values the quantizer's
     scales represent exactly, which libggml-base quantizes back to (nearly) the same values, so
-    the error passed on is the file's. Any other type (its block of 32, or a grid IQ superblock)
-    is quantized by libggml-base at every step, as the "requant" sweep does, and W' holds the
-    updated weights. Updates are applied lazily: within a group (the superblock, or :data:`LAZY`
-    columns of 32-blocks) step by step, to the rest of the row once per group (one product)."""
+    the error passed on is the file's. A step of a :data:`PACKED` type is rounded by libggml-base
+    on a probe of 8 rows' step columns (:func:`_packed_rounding`). Any other type (its block of
+    32, or a grid IQ superblock) is quantized by libggml-base at every step, as the "requant"
+    sweep does; for these and the packed types W' holds the updated weights, and the row's last
+    step (no later column to take its error) is not quantized. Updates are applied lazily: within
+    a group (the superblock, or :data:`LAZY` columns of 32-blocks) step by step, to the rest of
+    the row once per group (one product). The GRID_* settings are the measured variants the
+    product does not use (bench/compensation_cost.py sets them)."""
     import torch
 
     from . import fixed_rounding  # lazy: it imports torch, which building plain candidates never needs
@@ -270,7 +283,7 @@ def _sweep_fixed(m: np.ndarray, q: qt.QType, imatrix, U, dead, lib, B: int) -> n
     steps = GRID_STEPS if grid and GRID_STEPS is not None else None
     hold = fixed or (steps is not None and GRID_HOLD)
     passes = int(GRID_PASSES) if grid else 0
-    pack = grid and bool(GRID_PACK)
+    pack = grid and q.name in PACKED
     for g0 in range(0, n, group):
         g1 = min(n, g0 + group)
         if passes:
