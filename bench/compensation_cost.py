@@ -66,7 +66,7 @@ class _Timed:
             self.seconds += time.perf_counter() - t
 
 
-def problem(rows: int, n: int, seed: int = 0):
+def problem(rows: int, n: int, seed: int = 0, row_spread: float = 0.0):
     rng = np.random.default_rng(seed)
     X = (rng.normal(size=(2 * n, n)) * np.exp(rng.normal(0, 0.7, n))).astype(np.float32)
     mix = rng.normal(size=(n, n)).astype(np.float32) * 0.3 / np.sqrt(n)
@@ -74,6 +74,8 @@ def problem(rows: int, n: int, seed: int = 0):
     H = (X.T @ X).astype(np.float32)
     vec = (X ** 2).mean(0).astype(np.float32)
     W = rng.normal(0, 0.02, (rows, n)).astype(np.float32)
+    if row_spread:  # rows of uneven norm, as a real tensor's are
+        W *= np.exp(rng.normal(0, row_spread, (rows, 1))).astype(np.float32)
     return W, H, vec
 
 
@@ -106,13 +108,14 @@ def main() -> None:
     ap.add_argument("--types", default=",".join(MENU))
     ap.add_argument("--sweeps", default="requant,fixed")
     ap.add_argument("--seed", type=int, default=0, help="the random problem's seed")
+    ap.add_argument("--row_spread", type=float, default=0.0, help="rows scaled by exp(N(0, this))")
     a = ap.parse_args()
     torch.set_num_threads(1)
     lib = ggml.lib()
     sweeps = a.sweeps.split(",")
     for shape in a.shape or ["1536x1536"]:
         rows, n = (int(x) for x in shape.split("x"))
-        W, H, vec = problem(rows, n, a.seed)
+        W, H, vec = problem(rows, n, a.seed, a.row_spread)
         H64 = H.astype(np.float64)
         comps = {}
         for sw in sweeps:

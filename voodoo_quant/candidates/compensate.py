@@ -302,7 +302,9 @@ def _sweep_fixed(m: np.ndarray, q: qt.QType, imatrix, U, dead, lib, B: int) -> n
             if scales is not None and (fixed or (s0 - b0) // step not in steps):
                 Q = scales.round(W[:, s0:s1], s0 - b0, s1 - b0)
             elif pack:
-                Q = _packed_rounding(W[:, s0:s1], q, None if vec is None else vec[s0:s1], lib, B)
+                norm = W[:, b0:b0 + B].square().mean(1, keepdim=True).sqrt()
+                norm = torch.where(norm > 0, norm, torch.ones_like(norm))
+                Q = _packed_rounding(W[:, s0:s1] / norm, q, None if vec is None else vec[s0:s1], lib, B) * norm
             else:
                 blk = np.ascontiguousarray(W[:, b0:b0 + B].numpy())
                 v = None if vec is None else vec[b0:b0 + B]
@@ -323,7 +325,11 @@ def _sweep_fixed(m: np.ndarray, q: qt.QType, imatrix, U, dead, lib, B: int) -> n
 
 def _packed_rounding(x, q: qt.QType, v, lib, B: int):
     """The rounding of `x` (rows × 32) that libggml-base gives when the 32 columns of B/32 rows
-    are laid side by side as one B-wide row (rows padded with zeros)."""
+    are laid side by side as one B-wide row (rows padded with zeros). The walk hands it each row
+    divided by the RMS of its superblock (and scales the result back): rows of different norms
+    would otherwise share one scale ruler (the probe's largest sub-block scale), and the small
+    rows' scales would be rounded far more coarsely than in their own superblock (measured:
+    1.06–1.11× the per-step walk's error with rows spread by exp(N(0, 0.5–1)))."""
     import torch
 
     rows, w = x.shape
