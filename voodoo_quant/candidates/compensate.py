@@ -29,11 +29,11 @@ is the sweep (:attr:`Compensation.sweep`):
   sub-block's codes there depend on its own 32 values (the superblock adds only its scale's ruler
   and the weights' sigma²), so a step is rounded by libggml-base on a probe holding the step's
   columns of 8 rows side by side as one 256-wide row, a call on rows × 32 weights instead of
-  rows × 256 (measured 1.014–1.018× the per-step walk's layer objective; 1.02–1.07× for the other
-  grid types, which stay per step; docs/lab/2026-12-05-grid-compensation.md). float32, updates
+  rows × 256 (measured 1.008–1.021× the per-step walk's layer objective; 1.007–1.07× for the
+  other grid types, which stay per step; docs/lab/2026-12-05-grid-compensation.md). float32, updates
   applied a group at a time; the factor from one Cholesky of the order-reversed H. Cost per
   candidate (``bench/compensation_cost.py``): 1.9–4.0× a plain one for the K-quants and IQ4_XS,
-  2.0–2.4× for IQ2_XXS, 9–11× for the other grid IQ types.
+  2.0–2.5× for IQ2_XXS, 9–11× for the other grid IQ types.
 - ``"requant"`` (the walk of assignments made before the sweep was a choice): the superblock is
   quantized again after each of its sub-blocks, float64; except for the types of
   :data:`WHOLE_SUPERBLOCK`, whose superblock is one step (their sub-block scales are coded against
@@ -84,8 +84,8 @@ GRID_PASS_ROUND = False
 # the grid types whose step is rounded from a probe (:func:`_packed_rounding`): the step's 32 columns
 # of 8 rows side by side as one 256-wide row (the imatrix slice repeated), quantized by libggml-base
 # (rows × 32 weights a step, not rows × 256). Measured (docs/lab/2026-12-05-grid-compensation.md):
-# IQ2_XXS 1.014-1.018x the per-step walk's layer objective at 2.0-2.4x a plain candidate's cost
-# (per step: 8.8-9.5x); IQ2_S, IQ1_S 1.02-1.03x and IQ3_S 1.06-1.07x, so they stay per step
+# IQ2_XXS 1.008-1.021x the per-step walk's layer objective at 2.0-2.5x a plain candidate's cost
+# (per step: 9.0-9.8x); IQ2_S 1.016-1.035x, IQ1_S 1.007-1.029x, IQ3_S 1.05-1.07x: they stay per step
 PACKED = frozenset({"IQ2_XXS"})
 
 
@@ -348,7 +348,7 @@ def _superblock_passes(W, g0: int, g1: int, q: qt.QType, vec, U, live, lib, pass
     W[:, g0:g1] gets the last pass's weights. Returns the errors (rows × width) to pass on."""
     import torch
 
-    from . import fixed_rounding
+    from . import fixed_rounding  # lazy: it imports torch, which building plain candidates never needs
 
     rows = W.shape[0]
     start = W[:, g0:g1].clone()
