@@ -18,7 +18,8 @@ rounded values into W'; ``fixed-pP`` walks each grid superblock P times, each pa
 libggml-base's values for what the previous pass left (GRID_PASSES), ``fixed-pPt`` with those
 values' scales and the torch rounding (GRID_PASS_ROUND); ``fixed-pack`` rounds each step by
 libggml-base's quantization of a probe: the step's 32 columns of 8 rows side by side as one
-256-wide row (compensate.PACKED: every grid type); ``fixed-step`` quantizes every grid superblock
+256-wide row (compensate.PACKED: every grid type; ``fixed-packmax``: rows divided by their largest
+32-column RMS, not the superblock's RMS); ``fixed-step`` quantizes every grid superblock
 again at each step (PACKED empty). Every variant but ``fixed-pack`` empties PACKED. ``fixed`` is
 the sweep as the product runs it.
 
@@ -83,6 +84,8 @@ def variant(sweep: str) -> tuple[str, dict]:
     """(the product's sweep name, the compensate module's GRID_* settings for it) of `sweep`."""
     if sweep == "fixed-pack":
         return "fixed", {"PACKED": frozenset(GRID)}
+    if sweep == "fixed-packmax":  # the probe's rows divided by their largest 32-column RMS
+        return "fixed", {"PACKED": frozenset(GRID), "PACK_NORM": "max"}
     if sweep == "fixed-step":
         return "fixed", {"PACKED": frozenset()}
     if not sweep.startswith(("fixed-r", "fixed-k", "fixed-p")):

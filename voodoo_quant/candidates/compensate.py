@@ -87,6 +87,7 @@ GRID_PASS_ROUND = False
 # IQ2_XXS 1.008-1.021x the per-step walk's layer objective at 2.0-2.5x a plain candidate's cost
 # (per step: 9.0-9.8x); IQ2_S 1.016-1.035x, IQ1_S 1.007-1.029x, IQ3_S 1.05-1.07x: they stay per step
 PACKED = frozenset({"IQ2_XXS"})
+PACK_NORM = "rms"  # a probe row's norm: its superblock's RMS ("max": its largest 32-column RMS; measured)
 
 
 @dataclass(frozen=True)
@@ -302,7 +303,9 @@ def _sweep_fixed(m: np.ndarray, q: qt.QType, imatrix, U, dead, lib, B: int) -> n
             if scales is not None and (fixed or (s0 - b0) // step not in steps):
                 Q = scales.round(W[:, s0:s1], s0 - b0, s1 - b0)
             elif pack:
-                norm = W[:, b0:b0 + B].square().mean(1, keepdim=True).sqrt()
+                sq = W[:, b0:b0 + B].square()
+                norm = (sq.mean(1, keepdim=True) if PACK_NORM == "rms" else
+                        sq.reshape(rows, -1, step).mean(2).amax(1, keepdim=True)).sqrt()
                 norm = torch.where(norm > 0, norm, torch.ones_like(norm))
                 Q = _packed_rounding(W[:, s0:s1] / norm, q, None if vec is None else vec[s0:s1], lib, B) * norm
             else:
