@@ -10,8 +10,22 @@ seconds per 1e9 weights on one core, and the layer objective of the file's bytes
 E = W − Ŵ, each sweep's over plain's. The factor of each sweep is timed once per matrix (it is
 shared by a tensor's types and by the tensors that read the same input).
 
+Variants of the "fixed" sweep for the grid IQ types (compensate.GRID_STEPS, GRID_HOLD): a sweep
+named ``fixed-rR`` quantizes a grid superblock again every R-th 32-column step and rounds the steps
+between with the last quantization's scales; ``fixed-kK`` quantizes it at its first K steps only
+(the last 8 − K steps rounded with the K-th quantization's scales); a trailing ``h`` also writes the
+rounded values into W'; ``fixed-pP`` walks each grid superblock P times, each pass rounding with
+libggml-base's values for what the previous pass left (GRID_PASSES), ``fixed-pPt`` with those
+values' scales and the torch rounding (GRID_PASS_ROUND); ``fixed-pack`` rounds each step by
+libggml-base's quantization of a probe: the step's 32 columns of 8 rows side by side as one
+256-wide row (compensate.PACKED: every grid type; ``fixed-packmax``: rows divided by their largest
+32-column RMS, not the superblock's RMS); ``fixed-step`` quantizes every grid superblock
+again at each step (PACKED empty). Every variant but ``fixed-pack`` empties PACKED. ``fixed`` is
+the sweep as the product runs it.
+
     .venv/bin/python bench/compensation_cost.py --shape 1536x1536 --shape 256x8960
     .venv/bin/python bench/compensation_cost.py --shape 1536x1536 --types Q4_K,IQ2_S --sweeps fixed
+    .venv/bin/python bench/compensation_cost.py --types IQ3_S,IQ2_S --sweeps fixed-r1,fixed-r2,fixed-r4,fixed-r8
 """
 
 from __future__ import annotations
@@ -25,6 +39,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+GRID = ("IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M")
 MENU = ("Q8_0", "Q5_0", "Q6_K", "Q5_K", "Q4_K", "Q3_K", "Q2_K", "IQ4_XS", "IQ3_S", "IQ2_S", "IQ2_XXS", "IQ1_S")
 
 
@@ -52,7 +67,7 @@ class _Timed:
             self.seconds += time.perf_counter() - t
 
 
-def problem(rows: int, n: int, seed: int = 0):
+def problem(rows: int, n: int, seed: int = 0, row_spread: float = 0.0):
     rng = np.random.default_rng(seed)
     X = (rng.normal(size=(2 * n, n)) * np.exp(rng.normal(0, 0.7, n))).astype(np.float32)
     mix = rng.normal(size=(n, n)).astype(np.float32) * 0.3 / np.sqrt(n)
@@ -60,7 +75,28 @@ def problem(rows: int, n: int, seed: int = 0):
     H = (X.T @ X).astype(np.float32)
     vec = (X ** 2).mean(0).astype(np.float32)
     W = rng.normal(0, 0.02, (rows, n)).astype(np.float32)
+    if row_spread:  # rows of uneven norm, as a real tensor's are
+        W *= np.exp(rng.normal(0, row_spread, (rows, 1))).astype(np.float32)
     return W, H, vec
+
+
+def variant(sweep: str) -> tuple[str, dict]:
+    """(the product's sweep name, the compensate module's GRID_* settings for it) of `sweep`."""
+    if sweep == "fixed-pack":
+        return "fixed", {"PACKED": frozenset(GRID)}
+    if sweep == "fixed-packmax":  # the probe's rows divided by their largest 32-column RMS
+        return "fixed", {"PACKED": frozenset(GRID), "PACK_NORM": "max"}
+    if sweep == "fixed-step":
+        return "fixed", {"PACKED": frozenset()}
+    if not sweep.startswith(("fixed-r", "fixed-k", "fixed-p")):
+        return sweep, {}
+    kind, arg = sweep[len("fixed-")], sweep[len("fixed-") + 1:]
+    flag = arg.endswith(("h", "t"))
+    k = int(arg.rstrip("ht"))
+    if kind == "p":
+        return "fixed", {"GRID_PASSES": k, "GRID_PASS_ROUND": flag, "PACKED": frozenset()}
+    steps = range(0, 8, k) if kind == "r" else range(k)
+    return "fixed", {"GRID_STEPS": frozenset(steps), "GRID_HOLD": flag, "PACKED": frozenset()}
 
 
 def main() -> None:
@@ -74,21 +110,27 @@ def main() -> None:
     ap.add_argument("--shape", action="append", help="ROWSxN (GGUF layout); repeatable", default=None)
     ap.add_argument("--types", default=",".join(MENU))
     ap.add_argument("--sweeps", default="requant,fixed")
+    ap.add_argument("--seed", type=int, default=0, help="the random problem's seed")
+    ap.add_argument("--row_spread", type=float, default=0.0, help="rows scaled by exp(N(0, this))")
     a = ap.parse_args()
     torch.set_num_threads(1)
     lib = ggml.lib()
     sweeps = a.sweeps.split(",")
     for shape in a.shape or ["1536x1536"]:
         rows, n = (int(x) for x in shape.split("x"))
-        W, H, vec = problem(rows, n)
+        W, H, vec = problem(rows, n, a.seed, a.row_spread)
         H64 = H.astype(np.float64)
         comps = {}
         for sw in sweeps:
+            base_sweep = variant(sw)[0]
+            if any(variant(o)[0] == base_sweep for o in comps):
+                comps[sw] = next(c for o, c in comps.items() if variant(o)[0] == base_sweep)
+                continue
             compensate.release_factors()
-            comps[sw] = Compensation(H, sweep=sw)
+            comps[sw] = Compensation(H, sweep=base_sweep)
             t = time.perf_counter()
             comps[sw].factor()
-            print(f"# {rows} x {n}: factor of the {sw} sweep {time.perf_counter() - t:.2f} s", flush=True)
+            print(f"# {rows} x {n}: factor of the {base_sweep} sweep {time.perf_counter() - t:.2f} s", flush=True)
         print(f"{'type':8} {'plain s':>8} {'s/1e9w':>8} " + " ".join(
             f"{sw + ' s':>10} {'÷plain':>7} {'in ggml':>8} {'s/1e9w':>8} {'obj÷plain':>9}" for sw in sweeps), flush=True)
 
@@ -109,8 +151,16 @@ def main() -> None:
             for sw in sweeps:
                 compensate._FACTORS[comps[sw].digest] = comps[sw].factor()  # kept: the walk alone is timed
                 timed = _Timed(lib)
+                settings = variant(sw)[1]
+                saved = {k: getattr(compensate, k) for k in settings}
+                for k, v in settings.items():
+                    setattr(compensate, k, v)
                 t = time.perf_counter()
-                m = compensated_matrix(W, q, vec, comps[sw], timed)
+                try:
+                    m = compensated_matrix(W, q, vec, comps[sw], timed)
+                finally:
+                    for k, v in saved.items():
+                        setattr(compensate, k, v)
                 data = lib.quantize(m, q, vec, name="bench", workers=1)  # the candidate's bytes
                 dt = time.perf_counter() - t
                 deq = lib.dequantize(data, q, m.shape, name="bench")

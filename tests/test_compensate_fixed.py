@@ -7,6 +7,8 @@ candidates training read.
 - a compensated candidate is libggml-base's quantization of the returned W' (the exactness
   contract), the same bits on every call, and lowers the layer error at least as the per-step
   sweep does (within a few percent) for the types it rounds itself;
+- a grid IQ superblock is quantized at every step but the row's last; IQ2_XXS's steps by a probe
+  of 8 rows' step columns, within 2 % of the per-step walk's layer error;
 - export writes the cached candidate only when its bytes are the ones the assignment recorded,
   computes it again otherwise, and refuses bytes that differ from the recorded hash.
 """
@@ -21,6 +23,7 @@ import torch
 
 from voodoo_quant.candidates import compensate
 from voodoo_quant.core import ggml
+from voodoo_quant.core import qtypes as qt
 from voodoo_quant.candidates.cache import CandidateCache
 from voodoo_quant.candidates.compensate import Compensation, compensated_matrix, quantize_compensated
 from voodoo_quant.candidates.fixed_rounding import SWEEP_TYPES, FixedScales, supports
@@ -118,3 +121,67 @@ def test_export_writes_the_recorded_bytes_or_refuses(tmp_path):
                            allow=True) == trained
     with pytest.raises(ProvenanceMismatchError, match="w: the Q4_K bytes"):  # plain candidates are checked too
         candidate_bytes(cache, W, "Q4_K", imx, None, want, name="w")
+
+
+class _Counted:
+    """libggml-base with its quantize calls counted."""
+
+    def __init__(self, lib):
+        self.lib, self.calls, self.weights = lib, 0, 0
+
+    def __getattr__(self, name):
+        return getattr(self.lib, name)
+
+    def quantize(self, matrix, *a, **k):
+        self.calls += 1
+        self.weights += matrix.size
+        return self.lib.quantize(matrix, *a, **k)
+
+
+def test_a_grid_superblock_is_quantized_at_every_step_but_the_rows_last(monkeypatch):
+    """The grid IQ types outside PACKED walk with libggml-base on the whole superblock at every
+    32-column step (compensate.GRID_STEPS is None: the cheaper variants measured worse,
+    docs/lab/2026-12-05-grid-compensation.md); the row's last step has no later column to pass its
+    error to, so it costs no call. A variant named by GRID_STEPS quantizes only at those steps and
+    still hands libggml-base W' for the bytes."""
+    lib = ggml.lib()
+    W, _, H, imx = _problem(rows=8, n=512, tokens=1024, seed=13)
+    c = Compensation(H, 0.1)
+    assert compensate.GRID_STEPS is None and "IQ3_S" not in compensate.PACKED
+    counted = _Counted(lib)
+    m = compensated_matrix(W, "IQ3_S", imx, c, counted)
+    assert counted.calls == 512 // 32 - 1 and counted.weights == counted.calls * 8 * 256
+    monkeypatch.setattr(compensate, "GRID_STEPS", frozenset({0, 4}))
+    counted = _Counted(lib)
+    m2 = compensated_matrix(W, "IQ3_S", imx, c, counted)
+    assert counted.calls == 4 and not np.array_equal(m, m2)
+    assert quantize_compensated(W, "IQ3_S", imx, c) == lib.quantize(m2, "IQ3_S", imx)
+
+
+def test_a_packed_step_is_quantized_as_one_probe_of_its_own_columns(monkeypatch):
+    """IQ2_XXS (compensate.PACKED): each step (but the row's last) costs one libggml-base call on
+    the step's 32 columns of every row, 8 rows to a 256-wide probe row (rows padded to 8), and the
+    probe's rounding of a row's columns is what libggml-base gives them in that probe."""
+    lib = ggml.lib()
+    assert not compensate.PACKED  # the default walks every grid type per step (compensate.py)
+    monkeypatch.setattr(compensate, "PACKED", frozenset({"IQ2_XXS"}))
+    W, _, H, imx = _problem(rows=12, n=512, tokens=1024, seed=14)
+    counted = _Counted(lib)
+    compensated_matrix(W, "IQ2_XXS", imx, Compensation(H, 0.1), counted)
+    assert counted.calls == 512 // 32 - 1 and counted.weights == counted.calls * 16 * 32
+    x = torch.from_numpy(W[:, 64:96].copy())
+    Q = compensate._packed_rounding(x, qt.get("IQ2_XXS"), imx[64:96], lib, 256).numpy()
+    probe = np.concatenate([W[:8, 64:96].reshape(1, 256), np.concatenate(
+        [W[8:, 64:96], np.zeros((4, 32), np.float32)]).reshape(1, 256)])
+    want = lib.dequantize(lib.quantize(probe, "IQ2_XXS", np.tile(imx[64:96], 8)), "IQ2_XXS", probe.shape)
+    assert np.array_equal(Q, want.reshape(16, 32)[:12])
+
+
+def test_the_packed_walk_is_within_two_percent_of_the_per_step_one(monkeypatch):
+    """Measured 1.008-1.021x the per-step walk's layer error for IQ2_XXS at 2.0-2.5x a plain
+    candidate's cost, against 9.0-9.8x (bench/compensation_cost.py --sweeps fixed-step,fixed-pack)."""
+    W, X, H, imx = _problem(seed=10)
+    per_step = _out_err(W, quantize_compensated(W, "IQ2_XXS", imx, Compensation(H, 0.01)), "IQ2_XXS", X)
+    monkeypatch.setattr(compensate, "PACKED", frozenset({"IQ2_XXS"}))
+    packed = _out_err(W, quantize_compensated(W, "IQ2_XXS", imx, Compensation(H, 0.01)), "IQ2_XXS", X)
+    assert packed != per_step and packed < 1.02 * per_step, (packed, per_step)

@@ -25,9 +25,15 @@ is the sweep (:attr:`Compensation.sweep`):
   which libggml-base quantizes back to nearly themselves, so the error passed on is the file's).
   A grid IQ superblock (IQ1–IQ3) is quantized again at every step: libggml-base does not quantize
   their rounded values back to themselves (measured: 8–36 % more layer error with a fixed-scale
-  oracle). float32, updates applied a group at a time; the factor from one Cholesky of the
-  order-reversed H. Cost per candidate (``bench/compensation_cost.py``): 1.9–4.0× a plain one
-  for the K-quants and IQ4_XS, 7–10× for the grid IQ types.
+  oracle; requantizing every 2nd–8th step only, 8–37 %). Except for :data:`PACKED` (IQ2_XXS): a
+  sub-block's codes there depend on its own 32 values (the superblock adds only its scale's ruler
+  and the weights' sigma²), so a step is rounded by libggml-base on a probe holding the step's
+  columns of 8 rows side by side as one 256-wide row, a call on rows × 32 weights instead of
+  rows × 256 (measured 1.008–1.021× the per-step walk's layer objective; 1.007–1.07× for the
+  other grid types, which stay per step; docs/lab/2026-12-05-grid-compensation.md). float32, updates
+  applied a group at a time; the factor from one Cholesky of the order-reversed H. Cost per
+  candidate (``bench/compensation_cost.py``): 1.9–4.0× a plain one for the K-quants and IQ4_XS,
+  2.0–2.5× for IQ2_XXS, 9–11× for the other grid IQ types.
 - ``"requant"`` (the walk of assignments made before the sweep was a choice): the superblock is
   quantized again after each of its sub-blocks, float64; except for the types of
   :data:`WHOLE_SUPERBLOCK`, whose superblock is one step (their sub-block scales are coded against
@@ -56,7 +62,7 @@ from ..core import qtypes as qt
 from ..core.errors import QuantizationInputError
 
 ALGORITHM = "gptq-blocks/2"  # the "requant" sweep; /2: whole-superblock steps for WHOLE_SUPERBLOCK (Q5_K)
-FIXED_ALGORITHM = "gptq-fixed/1"  # the "fixed" sweep (:func:`_sweep_fixed`)
+FIXED_ALGORITHM = "gptq-fixed/1"  # the "fixed" sweep (:func:`_sweep_fixed`); a PACKED type adds "+pack"
 SWEEPS = ("fixed", "requant")
 DEFAULT_SWEEP = "fixed"
 DEFAULT_DAMP = 0.1
@@ -64,6 +70,25 @@ LAZY = 128  # columns of a 32-block type updated together before the rest of the
 STEP = 32  # columns fixed per step: a block, or a 256-superblock's sub-block (its scale's span)
 # superblock types compensated one whole superblock per step (module docstring: measured)
 WHOLE_SUPERBLOCK = frozenset({"Q5_K"})
+# the "fixed" sweep's grid IQ superblocks (fixed_rounding.supports, not SWEEP_TYPES): quantized by
+# libggml-base again at the 32-column steps GRID_STEPS names (index within the superblock; None: all),
+# the steps between rounded with the last quantization's scales (W' keeps the updated weights);
+# GRID_HOLD: W' holds those rounded values. Measured variants (bench/compensation_cost.py)
+GRID_STEPS: frozenset | None = None
+GRID_HOLD = False
+# a grid superblock walked GRID_PASSES times (0: per step, as above): each pass takes, for every
+# step, the values libggml-base gave the superblock the previous pass left (the first: as the walk
+# reached it), or with GRID_PASS_ROUND those values' scales and the torch rounding
+GRID_PASSES = 0
+GRID_PASS_ROUND = False
+# the grid types whose step is rounded from a probe (:func:`_packed_rounding`): the step's 32 columns
+# of 8 rows side by side as one 256-wide row (the imatrix slice repeated), quantized by libggml-base
+# (rows × 32 weights a step, not rows × 256). Measured (docs/lab/2026-12-05-grid-compensation.md):
+# IQ2_XXS 1.008-1.021x the per-step walk's layer objective at 2.0-2.5x a plain candidate's cost
+# (per step: 9.0-9.8x); IQ2_S 1.016-1.035x, IQ1_S 1.007-1.029x, IQ3_S 1.05-1.07x. None by default
+# until the files' KLD on the benchmark says the ~1-2 % of layer error costs nothing.
+PACKED: frozenset = frozenset()
+PACK_NORM = "rms"  # a probe row's norm: its superblock's RMS ("max": its largest 32-column RMS; measured)
 
 
 @dataclass(frozen=True)
@@ -115,6 +140,10 @@ class Compensation:
         damping and the Hessian's bytes (computed once): a changed walk never reads old candidates."""
         if not self._digest:
             algo = f"{ALGORITHM}|{','.join(sorted(WHOLE_SUPERBLOCK))}" if self.sweep == "requant" else FIXED_ALGORITHM
+            if self.sweep != "requant" and (PACKED or GRID_STEPS is not None or GRID_HOLD or GRID_PASSES):
+                # a measured variant of the walk (bench/compensation_cost.py): never the default's entries
+                algo += f"|pack={','.join(sorted(PACKED))}:{PACK_NORM}|steps={sorted(GRID_STEPS or ())}" \
+                        f"|hold={GRID_HOLD}|passes={GRID_PASSES}:{GRID_PASS_ROUND}"
             h = hashlib.sha256(f"{algo}|{float(self.damp)!r}".encode())
             h.update(struct.pack("<q", self.n))
             h.update(memoryview(np.ascontiguousarray(self.hessian, dtype="<f4")).cast("B"))
@@ -237,10 +266,14 @@ def _sweep_fixed(m: np.ndarray, q: qt.QType, imatrix, U, dead, lib, B: int) -> n
     libggml's values, each later step is rounded with that quantization's scales held fixed
     (fixed_rounding.py), and W' holds the rounded values: a superblock of values the quantizer's
     scales represent exactly, which libggml-base quantizes back to (nearly) the same values, so
-    the error passed on is the file's. Any other type (its block of 32, or a grid IQ superblock)
-    is quantized by libggml-base at every step, as the "requant" sweep does, and W' holds the
-    updated weights. Updates are applied lazily: within a group (the superblock, or :data:`LAZY`
-    columns of 32-blocks) step by step, to the rest of the row once per group (one product)."""
+    the error passed on is the file's. A step of a :data:`PACKED` type is rounded by libggml-base
+    on a probe of 8 rows' step columns (:func:`_packed_rounding`). Any other type (its block of
+    32, or a grid IQ superblock) is quantized by libggml-base at every step, as the "requant"
+    sweep does; for these and the packed types W' holds the updated weights, and the row's last
+    step (no later column to take its error) is not quantized. Updates are applied lazily: within
+    a group (the superblock, or :data:`LAZY` columns of 32-blocks) step by step, to the rest of
+    the row once per group (one product). The GRID_* settings are the measured variants the
+    product does not use (bench/compensation_cost.py sets them)."""
     import torch
 
     from . import fixed_rounding  # lazy: it imports torch, which building plain candidates never needs
@@ -252,31 +285,99 @@ def _sweep_fixed(m: np.ndarray, q: qt.QType, imatrix, U, dead, lib, B: int) -> n
     step = min(B, STEP)
     group = B if B > STEP else max(B, LAZY)
     fixed = B > STEP and q.name in fixed_rounding.SWEEP_TYPES
+    grid = B > STEP and not fixed and fixed_rounding.supports(q)
+    steps = GRID_STEPS if grid and GRID_STEPS is not None else None
+    hold = fixed or (steps is not None and GRID_HOLD)
+    passes = int(GRID_PASSES) if grid else 0
+    pack = grid and q.name in PACKED
     for g0 in range(0, n, group):
         g1 = min(n, g0 + group)
+        if passes:
+            errs = _superblock_passes(W, g0, g1, q, vec, U, live, lib, passes, bool(GRID_PASS_ROUND))
+            if g1 < n:
+                W[:, g1:] -= errs @ U[g0:g1, g1:]
+            continue
         errs = torch.empty(rows, g1 - g0, dtype=torch.float32)
         scales = None
         for s0 in range(g0, g1, step):
             s1 = s0 + step
+            if s1 == n and not hold:  # the row's last step: its error has no column to go to
+                errs[:, s0 - g0:] = 0
+                break
             b0 = (s0 // B) * B  # the block holding the step
-            if fixed and scales is not None:
+            if scales is not None and (fixed or (s0 - b0) // step not in steps):
                 Q = scales.round(W[:, s0:s1], s0 - b0, s1 - b0)
+            elif pack:
+                sq = W[:, b0:b0 + B].square()
+                norm = (sq.mean(1, keepdim=True) if PACK_NORM == "rms" else
+                        sq.reshape(rows, -1, step).mean(2).amax(1, keepdim=True)).sqrt()
+                norm = torch.where(norm > 0, norm, torch.ones_like(norm))
+                Q = _packed_rounding(W[:, s0:s1] / norm, q, None if vec is None else vec[s0:s1], lib, B) * norm
             else:
                 blk = np.ascontiguousarray(W[:, b0:b0 + B].numpy())
                 v = None if vec is None else vec[b0:b0 + B]
                 data = lib.quantize(blk, q, v, name="compensation", workers=1)
                 Q = torch.from_numpy(lib.dequantize(data, q, blk.shape, name="compensation")[:, s0 - b0:s1 - b0])
-                if fixed:
+                if fixed or steps is not None:
                     scales = fixed_rounding.FixedScales(data, q, rows, B, v)
             E = (W[:, s0:s1] - Q) * live[s0:s1]
             err = torch.linalg.solve_triangular(U[s0:s1, s0:s1], E, upper=True, left=False)
-            if fixed:
+            if hold:
                 W[:, s0:s1] = Q
             W[:, s1:g1] -= err @ U[s0:s1, s1:g1]
             errs[:, s0 - g0:s1 - g0] = err
         if g1 < n:
             W[:, g1:] -= errs @ U[g0:g1, g1:]
     return W.numpy()
+
+
+def _packed_rounding(x, q: qt.QType, v, lib, B: int):
+    """The rounding of `x` (rows × 32) that libggml-base gives when the 32 columns of B/32 rows
+    are laid side by side as one B-wide row (rows padded with zeros). The walk hands it each row
+    divided by the RMS of its superblock (and scales the result back): rows of different norms
+    would otherwise share one scale ruler (the probe's largest sub-block scale), and the small
+    rows' scales would be rounded far more coarsely than in their own superblock (measured:
+    1.06–1.11× the per-step walk's error with rows spread by exp(N(0, 0.5–1)))."""
+    import torch
+
+    rows, w = x.shape
+    per = B // w
+    pad = (-rows) % per
+    blk = x if not pad else torch.cat([x, torch.zeros(pad, w, dtype=x.dtype)])
+    probe = np.ascontiguousarray(blk.numpy().reshape(-1, B))
+    vv = None if v is None else np.ascontiguousarray(np.tile(v, per))
+    data = lib.quantize(probe, q, vv, name="compensation", workers=1)
+    return torch.from_numpy(lib.dequantize(data, q, probe.shape, name="compensation").reshape(-1, w)[:rows])
+
+
+def _superblock_passes(W, g0: int, g1: int, q: qt.QType, vec, U, live, lib, passes: int, rnd: bool):
+    """Walk the superblock W[:, g0:g1] `passes` times from the values it has when the walk reaches
+    it, each pass's rounding taken from libggml-base's quantization of what the previous pass left;
+    W[:, g0:g1] gets the last pass's weights. Returns the errors (rows × width) to pass on."""
+    import torch
+
+    from . import fixed_rounding  # lazy: it imports torch, which building plain candidates never needs
+
+    rows = W.shape[0]
+    start = W[:, g0:g1].clone()
+    v = None if vec is None else vec[g0:g1]
+    sb = start
+    for _ in range(passes):
+        blk = np.ascontiguousarray(sb.numpy())
+        data = lib.quantize(blk, q, v, name="compensation", workers=1)
+        D = None if rnd else torch.from_numpy(lib.dequantize(data, q, blk.shape, name="compensation"))
+        scales = fixed_rounding.FixedScales(data, q, rows, g1 - g0, v) if rnd else None
+        sb = start.clone()
+        errs = torch.empty(rows, g1 - g0, dtype=torch.float32)
+        for c0 in range(0, g1 - g0, STEP):
+            c1 = c0 + STEP
+            Q = scales.round(sb[:, c0:c1], c0, c1) if rnd else D[:, c0:c1]
+            E = (sb[:, c0:c1] - Q) * live[g0 + c0:g0 + c1]
+            err = torch.linalg.solve_triangular(U[g0 + c0:g0 + c1, g0 + c0:g0 + c1], E, upper=True, left=False)
+            sb[:, c1:] -= err @ U[g0 + c0:g0 + c1, g0 + c1:g1]
+            errs[:, c0:c1] = err
+    W[:, g0:g1] = sb
+    return errs
 
 
 def quantize_compensated(matrix: np.ndarray, qtype: str | qt.QType, imatrix: np.ndarray | None,
