@@ -185,6 +185,8 @@ class RunSummary:
 
 
 class Bench:
+    shared_steps = SHARED_STEPS  # the ladder steps `setup` runs once per process
+
     def __init__(self, cfg: BenchConfig, command: str = "", *, clock: Callable[[], float] = time.monotonic,
                  log: Callable[[str], None] = lambda s: print(f"[bench] {s}", flush=True)):
         self.cfg, self.command, self.clock, self.log = cfg, command, clock, log
@@ -235,20 +237,30 @@ class Bench:
                           **item.variant(c.train_extra).train}
         return d
 
+    def items(self, sizes: tuple[int, ...]) -> list:
+        """What this driver makes (a peer's driver makes its own items)."""
+        return plan(self.cfg, sizes)
+
     # -- running ----------------------------------------------------------------------------------
-    def run(self) -> RunSummary:
+    def prepare(self) -> tuple[int, ...]:
+        """The texts, the sizes and the model's hash: everything a row's digest needs."""
         from voodoo_quant.tools.preflight import source_sha
 
         c = self.cfg
-        t0 = self.clock()
         domains = {"plays": texts_mod.domain("plays", c.plays_dir), "python": texts_mod.domain("python", c.python_dir)}
         self.texts = texts_mod.build_texts(domains, c.calib, c.work / "texts", eval_fraction=c.eval_fraction,
                                            seed=c.split_seed, calib_chars=c.calib_chars, eval_chars=c.eval_chars)
         sizes = self.resolve_sizes()
         self.model_sha = source_sha(c.model, self.quantize_config(sizes).output_dir / "work")
+        return sizes
+
+    def run(self) -> RunSummary:
+        c = self.cfg
+        t0 = self.clock()
+        sizes = self.prepare()
         have = {r.get("digest") for r in store.read_rows(c.results)}
         todo, out = [], RunSummary()
-        for item in plan(c, sizes):
+        for item in self.items(sizes):
             missing = [x for x in texts_mod.DOMAINS if digest(self.row_config(item, x)) not in have]
             out.present += len(texts_mod.DOMAINS) - len(missing)
             if missing:
@@ -287,7 +299,7 @@ class Bench:
         """Seconds the item took in earlier sessions (its own steps, and the shared steps and eval
         bases not yet run in this one); 0 where nothing was recorded."""
         own = sum(s for (i, _), s in self.history.items() if i == item.label)
-        shared = 0.0 if "shared" in self.ready else sum(self.history.get((None, s), 0.0) for s in SHARED_STEPS)
+        shared = 0.0 if "shared" in self.ready else sum(self.history.get((None, s), 0.0) for s in self.shared_steps)
         bases = sum(self.history.get((None, f"eval-base-{x}"), 0.0) for x in texts if x not in self.bases)
         return own + shared + bases
 
@@ -305,15 +317,16 @@ class Bench:
         for text in texts:
             self.base(ladder, text)
 
-    def make(self, ladder, item: Item) -> tuple[Path, list[Path]]:
-        """The item's file (and what to delete with it), made by the ladder's own steps."""
+    def make(self, ladder, item: Item) -> tuple[Path, list[Path], dict[str, float]]:
+        """The item's file, what to delete with it, and the seconds of the steps that made it
+        outside the ladder (none here: the ladder's own steps make it)."""
         if not item.trained:
             f = ladder.stock(item.recipe, pure=item.method == "uniform")
-            return f, [f]
+            return f, [f], {}
         v = item.variant(self.cfg.train_extra)
         ladder.train(item.size, v)
         f = ladder.export(item.size, v)
-        return f, [f, f.with_name(f.stem + ".tensor-types.txt")]
+        return f, [f, f.with_name(f.stem + ".tensor-types.txt")], {}
 
     def base(self, ladder, text: str) -> tuple[Path, float]:
         """The reference's log-probs on an eval text: once per machine (kept under work/eval)."""
@@ -343,8 +356,8 @@ class Bench:
         `before`: the ladder's step times before the item's setup (what ran since is its cost)."""
         from voodoo_quant.tools.evaluate import kld_file
 
-        f, made = self.make(ladder, item)
-        steps = {k: v for k, v in ladder.seconds.items() if before.get(k) != v}
+        f, made, own = self.make(ladder, item)
+        steps = {**{k: v for k, v in ladder.seconds.items() if before.get(k) != v}, **own}
         store.append_rows(self.costs, [self.cost_line(None if k in SHARED_STEPS else item, k, s) for k, s in steps.items()])
         facts = self.facts(ladder, item)
         rows = []
