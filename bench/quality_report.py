@@ -7,7 +7,9 @@ A row (``quality.py``: one file on one eval text) has ``name``, ``method`` ("sto
 eval text), ``size_bytes``, ``kld_mean``, ``kld_stderr`` (standard error over chunks),
 ``kld_chunks`` (each chunk's mean KLD, for paired differences); stock and uniform rows have
 ``recipe``, the others ``size`` (percent of uniform Q8_0), the written file (voodoo) also
-``steps`` and ``seed``. Rows with the same ``digest`` are one measurement: the last counts.
+``steps`` and ``seed``. A peer's rows (``autoround.py``: method "autoround") have ``format`` (its
+GGUF format, q4_k_m) and ``iters`` (0: its optimized RTN); they are listed and plotted beside ours
+and enter no curve. Rows with the same ``digest`` are one measurement: the last counts.
 
 Per (calibration, eval text): each size of the written file is the mean over its seeds (spread
 shown) at the step count measured at the most sizes; its excess KLD over the Q8_0 floor is divided
@@ -29,6 +31,7 @@ FLOOR = "Q8_0"
 TARGET_VS_STOCK = 0.5
 TARGET_VS_KNAPSACK = 0.85
 LEARNED_SIZES = (25, 30, 35, 40, 45)  # where the learned stage's target applies
+PEERS = {"autoround": "tab:purple"}  # other quantizers' files (autoround.py): method → plot colour
 
 
 def latest(rows: Sequence[dict]) -> list[dict]:
@@ -200,9 +203,16 @@ def _yes(v: bool | None) -> str:
     return "—" if v is None else ("yes" if v else "no")
 
 
+def peer_label(r: dict) -> str:
+    """A peer's file: ``autoround-q4_k_m``, its tuned mode ``autoround-q4_k_m (iters 200)``."""
+    return f"{r['method']}-{r['format']}" + (f" (iters {r['iters']})" if r.get("iters") else "")
+
+
 def _label(r: dict) -> str:
     if r["method"] in ("stock", "uniform"):
         return f"{r['method']} {r['recipe']}"
+    if r["method"] in PEERS:
+        return peer_label(r)
     return f"Voodoo{r['size']} {r['method']}" + (f" ({r.get('steps')} steps, seed {r.get('seed')})" if r["method"] == "voodoo" else "")
 
 
@@ -308,8 +318,8 @@ def _costs(costs: Sequence[dict]) -> list[str]:
 
 def plot(rows: Sequence[dict], out: Path) -> Path:
     """Mean KLD (log) against file size, one panel per eval text of the main calibration: stock
-    files and their frontier, uniform files, the written file (seed means, spread) and the
-    knapsacks, the Q8_0 floor."""
+    files and their frontier, uniform files, the written file (seed means, spread), the
+    knapsacks, the peers' files, the Q8_0 floor."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -340,6 +350,14 @@ def plot(rows: Sequence[dict], out: Path) -> Path:
                 xs = [p["size_bytes"] / 1e6 for p in pts]
                 ax.plot(xs, [p["kld_mean"] for p in pts], marker="o", ms=3, color=color, label=label)
                 ax.vlines(xs, [p["kld_min"] for p in pts], [p["kld_max"] for p in pts], color=color, lw=2, alpha=0.5)
+        for method, color in PEERS.items():
+            pts = [r for r in rs if r["method"] == method]
+            if pts:
+                ax.scatter([r["size_bytes"] / 1e6 for r in pts], [r["kld_mean"] for r in pts], color=color, s=22,
+                           marker="D", label=f"{method} (its GGUF export)")
+            for r in pts:
+                ax.annotate(peer_label(r).removeprefix(f"{method}-"), (r["size_bytes"] / 1e6, r["kld_mean"]),
+                            fontsize=6, color=color, xytext=(3, -8), textcoords="offset points")
         try:
             ax.axhline(floor_row(rs)["kld_mean"], color="0.6", lw=0.8, ls=":", label=f"floor ({FLOOR})")
         except ValueError:
