@@ -20,6 +20,13 @@ plain Fisher knapsack (``--method sensitivity``, ``--error_compensation gptq`` /
 size; the uniform files (``llama-quantize --pure``); at ``--fair_sizes`` the written file's other
 seeds and step counts. ``report`` renders the tables and the plot from the JSON lines alone
 (``quality_report.py``).
+
+A peer: ``bench/autoround.py run`` (``make bench-peer``; ``make bench-peer-deps`` installs the
+``peer`` extra) adds AutoRound's GGUF files, its optimized RTN at ``gguf:q4_k_m gguf:q3_k_m
+gguf:q2_k_s`` by default and its tuned mode with ``--tuned FORMAT --iters N``, to the same results
+file: made from the same float teacher and calibration text, scored by this driver's code (a
+``Bench`` whose ``items``, ``setup``, ``make`` and ``facts`` are AutoRound's), listed by ``report``
+as ``autoround-<format>``. Never while ``run`` writes the same results file.
 """
 
 from __future__ import annotations
