@@ -288,3 +288,24 @@ def test_disk_plan_counts_the_candidate_cache_and_the_hessians_file(gate_model_d
     tp2 = dry_run(parse_train_flags(base + ["--tensor_parallel", "2"]), world=2).memory
     assert any(t.name == "Hessians (--error_compensation), rank 0" for t in tp2.host)
     assert any(t.name.startswith("layer-by-layer Hessian collection, rank 0") for t in tp2.host)
+
+
+def test_a_run_that_trains_nothing_plans_no_student(gate_model_dir, tmp_path):
+    """``--method sensitivity`` builds no student, teacher or gates (training/methods.py): its plan
+    holds the loaded model, the Fisher pass on it one sequence at a time, and nothing that training
+    holds (the CPU dry run of the 1.5B benchmark model's knapsack counted 31.4 GB of training terms)."""
+    base = ["--model", str(gate_model_dir / "model"), "--data_dir", str(tmp_path), "--candidate_types", "Q8_0", "Q4_0",
+            "--compression_ratio", "0.6", "--seq_len", "64"]
+    gates, one_shot = _mem(base), _mem(base + ["--method", "sensitivity"])
+    names = [t.name for t in one_shot.device]
+    assert not any(n.startswith(("mixed weights", "candidates", "gates", "teacher", "activations", "loss"))
+                   for n in names), names
+    assert one_shot.device_total == 0
+    host = {t.name: t.bytes for t in one_shot.host}
+    assert host["sensitivity pass: Fisher accumulators (float32)"] > 0
+    assert host["sensitivity pass: one sequence's activations and loss"] > 0
+    assert gates.device_total > 0
+    assert not any(n.startswith("guarantee") for n in host)  # nothing is measured after a bake
+    # a skeleton streams the pass one decoder layer at a time, on the device
+    (layer,) = _mem(base + ["--method", "sensitivity", "--lazy"]).device
+    assert layer.name == "sensitivity pass: one decoder layer (float32)" and layer.bytes > 0

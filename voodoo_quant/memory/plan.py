@@ -317,12 +317,37 @@ def plan_memory(cfg, model: nn.Module, plans: Sequence, *, adapter=None, tp_plan
         mp.host.append(refs_term)
     if cfg.needs_sensitivity:
         mp.host.append(sensitivity_term(cfg, model, plans, full, world, hidden, n_layers, skeleton))
+    if not builds_student(cfg):  # --method sensitivity, a finalize: no student, teacher or gates exist
+        f32 = 4 / (B * db)  # the probe's bytes are the training dtype's for B sequences; the pass is float32, one
+        mp.device = one_shot_device(cfg, skeleton=skeleton,
+                                    layer_bytes=_layer_numel(plans, sel, model) * 4 + max(per_kind.values()) * f32)
+        if cfg.needs_sensitivity and not skeleton:  # the Fisher pass on the loaded model, one sequence at a time
+            mp.host.append(Term("sensitivity pass: one sequence's activations and loss",
+                                (all_layers + layer_in) * f32 + loss_chunk_bytes(T - 1, vocab, 4),
+                                "every layer's saved activations and the float32 logits of one sequence"))
     add_compensation(mp, cfg, model, plans, skeleton=skeleton, world=world)  # last: its layer-by-layer phase is set against the rest
     mp.disk.insert(0, Term("candidate cache (VOODOO_CACHE_DIR)", float(sum(sum(p.sizes) for p in plans)),
                            "every menu candidate of every tensor" + (" (compensated: keyed apart from plain ones)"
                                                                    if cfg.compensation != "none" else "")))
     mp.advice = _advice(cfg, mp, capacity, replan)
     return mp
+
+
+def builds_student(cfg) -> bool:
+    """Whether the run builds the gated student (training/methods.py ``runner_for``: ``--method
+    sensitivity`` writes the knapsack's layout and a finalize bakes a journal's gates; neither
+    builds a student, a teacher or gates)."""
+    return cfg.method == "gates" and not cfg.finalize_from_partial
+
+
+def one_shot_device(cfg, *, skeleton: bool, layer_bytes: float) -> list[Term]:
+    """The device of a run that builds no student: the loaded model's sensitivity pass runs where
+    the model was loaded (the host); a skeleton's streams one decoder layer at a time on the device
+    (training/layerwise.py)."""
+    if not (cfg.needs_sensitivity and skeleton):
+        return [Term("nothing trains (--method sensitivity)", 0.0, "the sensitivity pass runs on the loaded model, on the host")]
+    return [Term("sensitivity pass: one decoder layer (float32)", layer_bytes,
+                 "its weights and one sequence's activations, streamed layer by layer")]
 
 
 def _reads_by_name(model: str) -> bool:
