@@ -48,7 +48,7 @@ def _state(model: torch.nn.Module) -> dict:
     return {
         "modules": [(n, id(m), m.training, len(m._forward_hooks), len(m._forward_pre_hooks))
                     for n, m in model.named_modules()],
-        "params": [(n, id(p), p.device, p.dtype, p.requires_grad, id(p.data.untyped_storage()), p.detach().clone())
+        "params": [(n, id(p), p.device, p.dtype, p.requires_grad, p.untyped_storage().data_ptr(), p.detach().clone())
                    for n, p in model.named_parameters(remove_duplicate=False)],
         "buffers": [(n, id(b), b.device, b.dtype, b.clone()) for n, b in model.named_buffers(remove_duplicate=False)],
     }
