@@ -212,10 +212,14 @@ def test_the_hessians_of_error_compensation_are_planned_on_the_host(gate_model_d
     held = next(t.bytes for t in comp.host if t.name.startswith("Hessians"))
     lin = [m for m in load_model(str(gate_model_dir / "model")).modules() if isinstance(m, torch.nn.Linear)]
     n = [m.in_features for m in lin]  # every Linear, the LM head (a tied embedding's H) too
-    # the larger phase: under VOODOO_HESSIAN_PASS_GB (4) every accumulator fits one pass (n² float32
-    # each); each of the 3 quantization processes keeps every factor (n² float64 each, under
-    # FACTOR_CACHE_BYTES on this tiny model) and works on one tensor (float64 H, factor, inverse)
-    collect = sum(k * k * 4 for k in n)
+    # the larger phase, beside the loaded model: the collection, one decoder layer at a time in
+    # place (32 calibration sequences + one batch of 4 stored, 64 x 256 float32; one layer's
+    # accumulators, 6 x 256² + 512² float32; a batch's activations, 4 x 64 tokens x (4 x 256 +
+    # 3 x 512) float32), or each of the 3 quantization processes keeping every factor (n² float64
+    # each, under FACTOR_CACHE_BYTES on this tiny model) and working on one tensor (float64 H,
+    # factor, inverse)
+    layer = (6 * 256 ** 2 + 512 ** 2) * 4 + 4 * 64 * (4 * 256 + 3 * 512) * 4
+    collect = (32 + 4) * 64 * 256 * 4 + layer
     build = 3 * (sum(k * k * 8 for k in n) + 3 * max(n) ** 2 * 8)
     assert sum(k * k * 8 for k in n) < FACTOR_CACHE_BYTES and build > collect
     assert held == build
@@ -224,6 +228,16 @@ def test_the_hessians_of_error_compensation_are_planned_on_the_host(gate_model_d
     monkeypatch.setenv("VOODOO_QUANT_WORKERS", "1")
     one = next(t.bytes for t in _mem(base).host if t.name.startswith("Hessians"))
     assert one == max(collect, sum(k * k * 8 for k in n) + 3 * max(n) ** 2 * 8)
+    # more calibration sequences: their stored hidden states make the collection the larger phase;
+    # one layer's accumulators, not every Hessian (4.1 MB here)
+    big = _mem(base + ["--compensation_sequences", "4096"])
+    (term,) = [t for t in big.host if t.name.startswith("Hessians")]
+    assert term.bytes == (4096 + 4) * 64 * 256 * 4 + layer > sum(k * k * 4 for k in n)
+    assert "layer by layer" in term.note and "the loaded model's layers in place" in term.note
+    assert not any(t.name.startswith("layer-by-layer") for t in big.host)  # no phase of its own: the model is loaded
+    # the whole-model collection's pass size no longer enters the plan of a loaded model
+    monkeypatch.setenv("VOODOO_HESSIAN_PASS_GB", "0.001")
+    assert _mem(base + ["--compensation_sequences", "4096"]).host_total == big.host_total
 
 
 def test_the_layer_by_layer_hessians_of_a_lazy_run_are_planned_as_their_own_phase(gate_model_dir, tmp_path,

@@ -34,8 +34,10 @@ VARIABLES: tuple[EnvVar, ...] = (
            "at a barrier; torch's own default is 10 for NCCL, 30 for gloo)", "240"),
     EnvVar("VOODOO_MIX_KERNEL", "1: eager CPU candidates are kept as int8 codes and mixed by a native kernel "
            "built with the system C compiler (voodoo_quant/candidates/mixkernel.py); 0: float32 stacks", "1"),
-    EnvVar("VOODOO_HESSIAN_PASS_GB", "GB of Hessian accumulators one collection pass of --error_compensation "
-           "holds (on the model's device); a larger model takes more passes over the calibration text", "4"),
+    EnvVar("VOODOO_HESSIAN_PASS_GB", "GB of Hessian accumulators one pass of --error_compensation's whole-model "
+           "collection holds, only for a loaded model whose decoder layers cannot be run one at a time (every other "
+           "model is collected layer by layer in one forward); more passes over the calibration text when they "
+           "do not fit", "4"),
     EnvVar("VOODOO_HELP_EXPERIMENTAL", "1: `--help` also lists the Experimental panel (settings measured no better "
            "than the default; they work either way)", "0"),
     EnvVar("VOODOO_TINY_RECIPE", "1 shrinks every run (steps, sequences) for fast tests", "0"),

@@ -145,24 +145,25 @@ def sensitivity_term(cfg, model: nn.Module, plans: Sequence, full: int, world: i
 
 def compensation_term(cfg, model: nn.Module, plans: Sequence, *, skeleton: bool = False, world: int = 1) -> Term | None:
     """``--error_compensation``, the larger of its two phases (the stored Hessians are mapped from
-    their file, not held):
+    their file, not held), both beside the loaded model:
 
-    - collection: one pass's Hessian accumulators (training/hessians.py), at most
-      ``VOODOO_HESSIAN_PASS_GB``, or the largest single input when that is more; on a skeleton
-      (`skeleton`: --lazy, tensor parallelism) the collection runs layer by layer before anything
-      is loaded, a phase of its own (:func:`add_compensation`), and is not counted here;
+    - collection (training/layer_hessians.py): one forward over the calibration text, one decoder
+      layer at a time, the loaded model's layers run in place on the host: the stored hidden
+      states of ``--compensation_sequences`` × ``--seq_len`` tokens (float32), one layer's n²
+      float32 accumulators and a batch's activations (:func:`phase_bytes`); on a skeleton
+      (`skeleton`: --lazy, tensor parallelism) the collection runs before anything is loaded, a
+      phase of its own (:func:`add_compensation`), and is not counted here;
     - candidates: in each of the ``VOODOO_QUANT_WORKERS`` quantization processes, the factors it
       keeps for a tensor's next type (compensate.py, at most ``FACTOR_CACHE_BYTES``) plus the float64
       H, factor and inverse of the tensor it works on.
 
     Under tensor parallelism (`world` > 1) both are rank 0's: it collects the Hessians and builds
-    every candidate while the other ranks wait (training/hessians.py ``ensure``)."""
+    every candidate while the other ranks wait (training/compensation.py ``ensure``)."""
     if getattr(cfg, "compensation", "none") == "none":
         return None
     dims = compensable_dims(model, plans)
     if not dims:
         return None
-    held = min(sum(n * n * 4 for n in dims), max(envs.hessian_pass_bytes(), max(dims) ** 2 * 4))
     workers = envs.quant_workers()
     per_worker = min(FACTOR_CACHE_BYTES, sum(n * n * 8 for n in dims)) + 3 * max(dims) ** 2 * 8
     name = "Hessians (--error_compensation)" + (", rank 0" if world > 1 else "")
@@ -170,8 +171,10 @@ def compensation_term(cfg, model: nn.Module, plans: Sequence, *, skeleton: bool 
              f"tensor's float64 H, factor and inverse: {per_worker / GB:.2f} GB) (VOODOO_QUANT_WORKERS)")
     if skeleton:
         return Term(name, workers * per_worker, f"{build}; collected layer by layer below")
-    return Term(name, max(held, workers * per_worker),
-                f"the larger of one collection pass's n² float32 accumulators (VOODOO_HESSIAN_PASS_GB) and {build}")
+    stored, in_layer, note = phase_bytes(cfg, model, plans, loaded=True)
+    collect = stored + in_layer
+    return Term(name, max(collect, workers * per_worker),
+                f"the larger of the collection ({collect / GB:.2f} GB, {note}) and {build}")
 
 
 def compensable_dims(model: nn.Module, plans: Sequence) -> list[int]:

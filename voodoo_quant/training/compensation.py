@@ -1,6 +1,8 @@
 """The run's error compensation (``--error_compensation gptq``): the Hessians file reused when made
-from the same inputs, else collected, whole (:mod:`.hessians`) or one decoder layer at a time
-(:mod:`.layer_hessians`), and the compensations read from it. Above both collections.
+from the same inputs, else collected one decoder layer at a time in one forward
+(:mod:`.layer_hessians`: a skeleton read layer by layer, a loaded model run in place), or, for a
+loaded model that road cannot run, whole in passes (:mod:`.hessians`); and the compensations
+read from it. Above both collections.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from ..candidates.hessian_store import load_hessians, read_key, write_hessians
 from ..candidates.hessian_store import FILE as HESSIANS_FILE
 from ..core import fileio
 from .hessians import collect_passes, hessian_key
-from .layer_hessians import collect_layerwise
+from .layer_hessians import LayerwiseUnsupported, collect_layerwise
 from .models import reader_of
 
 log = logging.getLogger(__name__)
@@ -26,9 +28,10 @@ def ensure(cfg, base: nn.Module, plans: Sequence, tokens: torch.Tensor, *, weigh
            progress: bool = False, device: torch.device | None = None, tp=None) -> tuple[dict[str, Compensation], dict]:
     """The run's compensations and their provenance record (for the assignment): Hessians reused
     from ``<output_dir>/hessians.safetensors`` when made from the same inputs, else collected and
-    written; the Compensations hold mapped views of the file. A loaded `base` is run whole (on its
-    own device); a skeleton (``--lazy``, tensor parallelism) one decoder layer at a time on
-    `device` (training/layer_hessians.py): on the CPU the same file.
+    written; the Compensations hold mapped views of the file. Both kinds of `base` are run one
+    decoder layer at a time, in one forward over the text (training/layer_hessians.py): a loaded
+    one in place, on its own device; a skeleton (``--lazy``, tensor parallelism) read layer by
+    layer onto `device`. On the CPU either gives the whole-model collection's file.
 
     Under tensor parallelism (`tp`) rank 0 alone collects and writes the file, on its skeleton and
     its device, while the others wait; every rank then maps it. So every tensor, column- or
@@ -62,17 +65,27 @@ def ensure(cfg, base: nn.Module, plans: Sequence, tokens: torch.Tensor, *, weigh
 def write_if_missing(path, key: str, base: nn.Module, plans: Sequence, calib: torch.Tensor, *,
                      device: torch.device | None = None, progress: bool = False) -> bool:
     """Collect the Hessians of `plans` on `calib` into `path` unless it already holds those of
-    `key`; True when it collected. A skeleton `base` is run one decoder layer at a time."""
+    `key`; True when it collected. One decoder layer at a time, in one forward over `calib`: a
+    skeleton `base` read onto `device`, a loaded one run in place on its own device. A loaded
+    model that road refuses (no ModuleList of decoder layers, layers that do not return the
+    hidden states, ...) is collected whole, in as many forwards as ``VOODOO_HESSIAN_PASS_GB``
+    takes: the same file, on the CPU."""
     if path.is_file() and read_key(path) == key:
         return False
-    if reader_of(base) is not None:
-        c = collect_layerwise(base, plans, calib, device=device, progress=progress)
-        how = "one decoder layer at a time"
-    else:
-        c = collect_passes(base, plans, calib, progress=progress)
-        how = f"in {c.passes} pass(es)"
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_hessians(path, c.sizes, c.shared, key, c.arrays)
-    log.info("Hessians of %d tensors (%d stored) from %d sequences %s -> %s",
+    skeleton = reader_of(base) is not None
+    try:
+        c = collect_layerwise(base, plans, calib, device=device if skeleton else None, progress=progress)
+        write_hessians(path, c.sizes, c.shared, key, c.arrays)  # atomic: a refusal on the way leaves no file
+        how = (f"one decoder layer at a time ({'read from the checkpoint' if skeleton else 'the loaded model in place'}), "
+               f"{c.passes} forward(s) over the text")
+    except LayerwiseUnsupported as e:
+        if skeleton:
+            raise
+        log.info("Hessians: not layer by layer (%s): the whole model instead", e.why)
+        c = collect_passes(base, plans, calib, progress=progress)
+        write_hessians(path, c.sizes, c.shared, key, c.arrays)
+        how = f"the whole model, {c.passes} forward(s) over the text (VOODOO_HESSIAN_PASS_GB)"
+    log.info("Hessians of %d tensors (%d stored) from %d sequences, %s -> %s",
              len(c.sizes) + len(c.shared), len(c.sizes), calib.shape[0], how, path)
     return True

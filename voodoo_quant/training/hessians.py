@@ -6,10 +6,14 @@ the same input (q/k/v, gate/up) share one accumulator. A tied embedding is compe
 head it also is: its H is the head's input (the final hidden states), where its rounding error
 reaches every logit; the lookup's share of the error is left unweighted. Each H is stored in the
 GGUF tensor's column order, keyed by the HF tensor name, in ``<output_dir>/hessians.safetensors``
-(voodoo_quant/candidates/hessian_store.py), written pass by pass so that only one pass's accumulators are in
-memory; a later run (or size of a ladder) with the same inputs reuses it, and export maps it,
-checked by its sha256. A skeleton (``--lazy``: the float model never loaded whole) gives the same
-file one decoder layer at a time (training/layer_hessians.py).
+(voodoo_quant/candidates/hessian_store.py); a later run (or size of a ladder) with the same
+inputs reuses it, and export maps it, checked by its sha256.
+
+A run collects it one decoder layer at a time, in one forward over the text
+(training/layer_hessians.py), from a loaded model (in place) or a skeleton (``--lazy``, tensor
+parallelism). The whole-model collection here (:func:`collect_passes`: one forward per group of
+accumulators that fits ``VOODOO_HESSIAN_PASS_GB``, written pass by pass) is the reference that
+road equals byte for byte on the CPU, and what a loaded model that road refuses is collected by.
 """
 
 from __future__ import annotations
