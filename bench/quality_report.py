@@ -169,6 +169,29 @@ def targets(rows: Sequence[dict]) -> dict[str, Any]:
             "monotone": all(x["falls"] is not False for x in out)}
 
 
+def knapsacks(rows: Sequence[dict]) -> list[dict]:
+    """Each knapsack's point per size (compensated, plain), its excess against the stock frontier's
+    at the same file size: the selection's share of the written file's gain, with no gates."""
+    floor = float(floor_row(rows)["kld_mean"])
+    front = pareto([r for r in rows if r["method"] == "stock"])
+    out = []
+    for method in ("knapsack-gptq", "knapsack"):
+        for v in curve(rows, method):
+            k = frontier_kld(front, v["size_bytes"])
+            excess = v["kld_mean"] - floor
+            note = ""
+            if k is None and front:
+                side = "smaller" if v["size_bytes"] < front[0]["size_bytes"] else "larger"
+                best = min(r["kld_mean"] for r in front)
+                low = min(front, key=lambda r: abs(r["size_bytes"] - v["size_bytes"]))
+                note = (f"{side} than every stock file; KLD {'below' if v['kld_mean'] < best else 'NOT below'} every "
+                        f"stock file's; excess {excess / (low['kld_mean'] - floor):.3f}× the nearest "
+                        f"({_label(low)}, {low['size_bytes'] / 1e6:.1f} MB)")
+            out.append({**v, "excess": excess, "stock_kld": k, "note": note,
+                        "ratio_vs_stock": None if k is None or k - floor <= 0 else excess / (k - floor)})
+    return out
+
+
 def fair(rows: Sequence[dict]) -> list[dict]:
     """The written file at the sizes measured with more than one step count or seed: per step
     count the seed mean, its excess against the compensated knapsack's and the paired difference."""
@@ -224,7 +247,7 @@ def markdown(rows: Sequence[dict], costs: Sequence[dict] = (), plot_name: str | 
              f"Rendered by `bench/quality.py report` from {len(rows)} rows of "
              f"{len({r.get('session') for r in rows})} session(s); latest code {v.get('voodoo_quant', '?')[:12]}, "
              f"llama.cpp {v.get('llama.cpp', '?')[:12]}. The latest command:", "", "```", last.get("command", "?"), "```", "",
-             f"KLD: stock `llama-perplexity --kl-divergence` against the F32 reference, -c {last.get('ctx', '?')} "
+             f"KLD: stock `llama-perplexity --kl-divergence` against the F32 reference, -c {last.get('config', {}).get('eval', {}).get('ctx', '?')} "
              f"× {last.get('n_chunks', '?')} chunks of held-out text of each domain (files never in the calibration "
              "text); ± the standard error over chunks. Excess = KLD − the Q8_0 floor; each ratio divides the "
              "written file's excess by a curve's at the same file size (log-linear between its two nearest files).", ""]
@@ -249,7 +272,7 @@ def _group(calib: str, text: str, rs: list[dict]) -> list[str]:
         out.append(f"| {_label(r)} | {r.get('made_by') or ''} | {r['size_bytes'] / 1e6:.2f} | {_f(r.get('bpw'), '.3f')} | "
                    f"{_f(r.get('ppl'), '.4f')} | {r['kld_mean']:.6f} | {_f(r.get('kld_stderr'), '.6f')} | "
                    f"{_f(r.get('kld_p99'), '.5f')} | {_f(r.get('same_top_p'), '.2f')} | {'✓' if r['name'] in front else ''} |")
-    out += ["", f"Floor {t['floor']:.6f}; the written file at {t['steps']} steps (seed mean). Mean KLD falls with "
+    out += ["", f"Floor {t['floor']:.6f}; " + (f"the written file at {t['steps']} steps (seed mean). " if t["sizes"] else "no written file yet. ") + f"Mean KLD falls with "
             f"every size: {'yes' if t['monotone'] else 'NO'}. Targets: ≤ {TARGET_VS_STOCK} of the stock frontier's "
             f"excess; ≤ {TARGET_VS_KNAPSACK} of the compensated knapsack's at {LEARNED_SIZES[0]}–{LEARNED_SIZES[-1]}.", "",
             "| size | MB | KLD (seeds) | ± | excess | vs stock | ≤ 0.5 | vs compensated knapsack | ≤ 0.85 | "
@@ -262,6 +285,14 @@ def _group(calib: str, text: str, rs: list[dict]) -> list[str]:
                    f"{_yes(x['meets_stock'])} | {_f(x['ratio_vs_knapsack-gptq'], '.3f')} | {_yes(x['meets_knapsack'])} | "
                    f"{_pm(x['paired_vs_knapsack'])} | {_f(x['ratio_vs_knapsack'], '.3f')} | {_f(x['ratio_vs_uniform'], '.3f')} | "
                    f"{x['note']} |")
+    ks = knapsacks(rs)
+    if ks:
+        out += ["", "The knapsacks alone (no gates), against the stock frontier at the same file size:", "",
+                "| file | MB | KLD | ± | excess | stock frontier's KLD there | vs stock | note |", "|---|---:|---:|---:|---:|---:|---:|---|"]
+        for x in ks:
+            out.append(f"| Voodoo{x['size']} {x['method']} | {x['size_bytes'] / 1e6:.2f} | {x['kld_mean']:.6f} | "
+                       f"{_f(x['kld_stderr'], '.6f')} | {x['excess']:.6f} | {_f(x['stock_kld'], '.6f')} | "
+                       f"{_f(x['ratio_vs_stock'], '.3f')} | {x['note']} |")
     f = fair(rs)
     if f:
         out += ["", "The learned stage at more step counts and seeds (excess as a multiple of the compensated "
@@ -306,7 +337,10 @@ def _costs(costs: Sequence[dict]) -> list[str]:
     last = max(costs, key=lambda c: c.get("date", "")).get("session")
     rs = [c for c in costs if c.get("session") == last]
     out = [f"## Cost (session {last}, {rs[0].get('cpus', '?')} CPUs)", "",
-           "| step | file | seconds | peak RSS MB (this process) | peak RSS MB (stock tools) |", "|---|---|---:|---:|---:|"]
+           "Peak RSS is the process's largest so far (it runs the ladder's steps in process). A child started "
+           "from it begins at the parent's resident size (Linux keeps the peak across fork and exec), so the "
+           "stock tools' column is an upper bound, not their own peak.", "",
+           "| step | file | seconds | peak RSS MB (this process) | peak RSS MB (stock tools, at most) |", "|---|---|---:|---:|---:|"]
     for c in rs:
         m = c.get("peak_rss_mb") or {}
         out.append(f"| {c['step']} | {c.get('item') or ''} | {_f(c.get('seconds'), '.1f')} | "

@@ -87,6 +87,19 @@ def test_targets_ratios_use_seed_means_and_curves(rep):
     assert x["falls"] is True and t["monotone"] and not x["above_stock"]
 
 
+def test_the_knapsacks_alone_are_set_against_the_stock_frontier(rep):
+    rows = STOCK + [_row("k35", "knapsack-gptq", 95e6, 0.04, size=35), _row("p35", "knapsack", 95e6, 0.06, size=35),
+                    _row("p25", "knapsack", 85e6, 0.15, size=25), _row("p20", "knapsack", 80e6, 0.30, size=20)]
+    got = {(x["method"], x["size"]): x for x in rep.knapsacks(rows)}
+    mid = math.sqrt(0.20 * 0.05)
+    assert got[("knapsack-gptq", 35)]["ratio_vs_stock"] == pytest.approx(0.03 / (mid - 0.01))
+    assert got[("knapsack", 35)]["ratio_vs_stock"] == pytest.approx(0.05 / (mid - 0.01))
+    small = got[("knapsack", 25)]  # below stock's smallest file (s-A, 0.20): beats it, and says by how much
+    assert small["ratio_vs_stock"] is None and "below every" in small["note"]
+    assert "0.737× the nearest (stock IQ2_M, 90.0 MB)" in small["note"]  # 0.14 / 0.19
+    assert "NOT below every" in got[("knapsack", 20)]["note"]
+
+
 def test_learned_stage_target_and_flags(rep):
     rows = STOCK + [_row("v35", "voodoo", 95e6, 0.15, size=35, seed=0, steps=50),
                     _row("v40", "voodoo", 99e6, 0.16, size=40, seed=0, steps=50),
