@@ -15,6 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
 import tp_case  # noqa: E402
+from model_state import same_state as _same_state, state as _state  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -40,27 +41,6 @@ def _write(path: Path, c) -> bytes:
 
     write_hessians(path, c.sizes, c.shared, "key", c.arrays)
     return path.read_bytes()
-
-
-def _state(model: torch.nn.Module) -> dict:
-    """Everything the collection could change: the module tree, every parameter's and buffer's
-    object, device, dtype, flag and values, each module's mode and hooks."""
-    return {
-        "modules": [(n, id(m), m.training, len(m._forward_hooks), len(m._forward_pre_hooks))
-                    for n, m in model.named_modules()],
-        "params": [(n, id(p), p.device, p.dtype, p.requires_grad, p.untyped_storage().data_ptr(), p.detach().clone())
-                   for n, p in model.named_parameters(remove_duplicate=False)],
-        "buffers": [(n, id(b), b.device, b.dtype, b.clone()) for n, b in model.named_buffers(remove_duplicate=False)],
-    }
-
-
-def _same_state(a: dict, b: dict) -> bool:
-    def plain(rows):
-        return [tuple(x for x in r if not isinstance(x, torch.Tensor)) for r in rows]
-
-    return (a["modules"] == b["modules"] and plain(a["params"]) == plain(b["params"])
-            and plain(a["buffers"]) == plain(b["buffers"])
-            and all(torch.equal(x[-1], y[-1]) for x, y in zip(a["params"] + a["buffers"], b["params"] + b["buffers"])))
 
 
 @pytest.mark.parametrize("arch", tp_case.ARCHS)

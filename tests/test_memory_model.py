@@ -107,15 +107,29 @@ def _sens(mem):
 
 
 def test_the_sensitivity_pass_is_planned_where_it_runs(gate_model_dir, tmp_path):
-    """One process: the Fisher pass adds a float32 accumulator per weight at the loading peak (the
-    output-error kind, its Gram matrices). Tensor-parallel rank 0 streams it layer by layer before
-    loading: its own phase, its stored layer inputs in the note. Skipped when nothing reads it."""
+    """One process: the Fisher pass runs layer by layer in place at the loading peak, adding the
+    stored layer inputs and the float32 accumulators of the embedding and head and of one layer,
+    never one per weight (the output-error kind, its Gram matrices). Tensor-parallel rank 0 streams
+    it layer by layer before loading: its own phase, its stored layer inputs in the note. Skipped
+    when nothing reads it."""
+    import torch
+
+    from voodoo_quant.model.modeling import load_model
+    from voodoo_quant.training.layerwise import host_bytes
+
     base = ["--model", str(gate_model_dir / "model"), "--data_dir", str(tmp_path), "--candidate_types", "Q8_0", "Q4_0",
             "--compression_ratio", "0.6", "--seq_len", "64"]
     one = _mem(base)
     (fisher,) = _sens(one)
-    assert fisher.name == "sensitivity pass: Fisher accumulators (float32)"
-    assert fisher.bytes >= _term(one, "mixed weights")  # every weight in float32 (the mixtures: the selectable ones)
+    assert fisher.name == "sensitivity pass: layer by layer (Fisher)"
+    model = load_model(str(gate_model_dir / "model"))
+    text = model.config.get_text_config()
+    layer = sum(m.weight.numel() for m in model.model.layers[0].modules() if isinstance(m, torch.nn.Linear)) * 4
+    emb = model.model.embed_tokens.weight.numel() * 4  # tied: the embedding and the head are one accumulator
+    stored = host_bytes(text.num_hidden_layers, 4, 64, text.hidden_size)
+    assert fisher.bytes == stored + emb + layer, (fisher.bytes, stored, emb, layer)
+    assert fisher.bytes < _term(one, "mixed weights")  # not an accumulator per weight any more
+    assert "one per weight" in fisher.note  # the fallback's size, for a model the layer road refuses
     (gram,) = _sens(_mem(base + ["--sensitivity_kind", "output"]))
     from voodoo_quant.training.sensitivity import GRAM_BYTES
 
@@ -306,18 +320,29 @@ def test_disk_plan_counts_the_candidate_cache_and_the_hessians_file(gate_model_d
 
 def test_a_run_that_trains_nothing_plans_no_student(gate_model_dir, tmp_path):
     """``--method sensitivity`` builds no student, teacher or gates (training/methods.py): its plan
-    holds the loaded model, the Fisher pass on it one sequence at a time, and nothing that training
-    holds (the CPU dry run of the 1.5B benchmark model's knapsack counted 31.4 GB of training terms)."""
+    holds the loaded model, the Fisher pass on it one decoder layer and one sequence at a time, and
+    nothing that training holds (the CPU dry run of the 1.5B benchmark model's knapsack counted
+    31.4 GB of training terms)."""
     base = ["--model", str(gate_model_dir / "model"), "--data_dir", str(tmp_path), "--candidate_types", "Q8_0", "Q4_0",
             "--compression_ratio", "0.6", "--seq_len", "64"]
     gates, one_shot = _mem(base), _mem(base + ["--method", "sensitivity"])
+    from voodoo_quant.memory.plan import loss_chunk_bytes
+    from voodoo_quant.model.modeling import load_model
+
     names = [t.name for t in one_shot.device]
     assert not any(n.startswith(("mixed weights", "candidates", "gates", "teacher", "activations", "loss"))
                    for n in names), names
     assert one_shot.device_total == 0
     host = {t.name: t.bytes for t in one_shot.host}
-    assert host["sensitivity pass: Fisher accumulators (float32)"] > 0
-    assert host["sensitivity pass: one sequence's activations and loss"] > 0
+    assert host["sensitivity pass: layer by layer (Fisher)"] > 0
+    # one layer's activations beside the head's logits, not every layer's: half the gates run's
+    # (two layers, each with its input) at one float32 sequence
+    cfg = parse_train_flags(base)
+    f32 = 4 / (cfg.batch_size * {"float32": 4, "bfloat16": 2, "float16": 2}[cfg.dtype])
+    every = _term(gates, "activations (all layers saved)") * f32
+    logits = loss_chunk_bytes(63, load_model(str(gate_model_dir / "model")).config.vocab_size, 4)
+    act = host["sensitivity pass: one sequence's activations and loss"] - logits
+    assert 0 < act < every, (act, every)
     assert gates.device_total > 0
     assert not any(n.startswith("guarantee") for n in host)  # nothing is measured after a bake
     # a skeleton streams the pass one decoder layer at a time, on the device

@@ -391,7 +391,7 @@ def test_curvature_extended_to_reference_rungs_is_stored_for_the_next_run(gate_m
     import json as _json
 
     from voodoo_quant.core import fileio
-    from voodoo_quant.training import fisher
+    from voodoo_quant.training import layerwise
     from voodoo_quant.training.sensitivity import TABLE_NAME
 
     first = Trainer(_cfg(gate_model_dir, tmp_path / "a", search_evals=2))
@@ -400,8 +400,8 @@ def test_curvature_extended_to_reference_rungs_is_stored_for_the_next_run(gate_m
     menus = {p.name: set(p.menu.types) for p in first.run.plans}
     assert any(set(c["types"]) > menus[n] for n, c in stored.items())  # off-menu rungs are in it
     calls = []
-    real = fisher.fisher_diagonal
-    monkeypatch.setattr(fisher, "fisher_diagonal", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = layerwise.layerwise_curvature  # the loaded model's pass, layer by layer in place
+    monkeypatch.setattr(layerwise, "layerwise_curvature", lambda *a, **k: calls.append(1) or real(*a, **k))
     (tmp_path / "b").mkdir()
     fileio.write_bytes(tmp_path / "b" / TABLE_NAME, (tmp_path / "a" / TABLE_NAME).read_bytes())
     second = Trainer(_cfg(gate_model_dir, tmp_path / "b", search_evals=2))

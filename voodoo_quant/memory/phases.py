@@ -1,7 +1,8 @@
 """The memory of a run's phases beside its training steps, for :func:`voodoo_quant.memory.plan.plan_memory`.
 
-**The sensitivity pass** (training/sensitivity.py) runs before training: at the loading peak on a
-loaded model, or on a skeleton one decoder layer at a time (:func:`sensitivity_term`).
+**The sensitivity pass** (training/sensitivity.py) runs before training, one decoder layer at a
+time: in place at the loading peak on a loaded model, or on a skeleton before anything is loaded
+(:func:`sensitivity_term`).
 
 **The post-bake measurements**, the guarantee and the search (training/objective.py), run after
 the last training step, when the step's mixtures, activations and loss chunks are gone. They are a
@@ -47,7 +48,7 @@ from ..selection.budget import Budget
 from ..training.guarantee import plan_references, rung_bytes, stock_provider
 from ..training.hessians import compensable
 from ..training.layer_hessians import phase_bytes
-from ..training.layerwise import host_bytes
+from ..training.layerwise import accumulator_bytes, host_bytes
 from ..training.objective import PREFIX_CACHE_BYTES, TEACHER_CACHE_BYTES
 from ..training.sensitivity import GRAM_BYTES, gram_bytes
 from .terms import PROCESS_BASELINE, Term
@@ -110,19 +111,30 @@ def references_bytes(cfg, model: nn.Module, plans: Sequence, covered: set[str], 
 
 def sensitivity_term(cfg, model: nn.Module, plans: Sequence, full: int, world: int, hidden: int,
                      n_layers: int, skeleton: bool) -> Term:
-    """The sensitivity pass (training/sensitivity.py). On a loaded model it runs at the loading
-    peak and adds its statistics: the Fisher kind a float32 accumulator per weight, the output kind
-    Gram matrices (at most ``GRAM_BYTES`` at once). On a skeleton (tensor parallelism, or --lazy in
-    one process) the Fisher pass streams one decoder layer at a time (training/layerwise.py) before
-    anything is loaded: its own phase, stated in the note and not added to the peak."""
+    """The sensitivity pass (training/sensitivity.py). The Fisher kind runs one decoder layer at a
+    time (training/layerwise.py): on a loaded model, in place at the loading peak, adding the
+    stored layer inputs (:func:`host_bytes`) and the float32 Fisher accumulators of the embedding
+    and head and of one layer (one sequence's activations through a layer and the head's logits
+    are the run's own term, ``plan_memory``); a model whose code the layer road cannot follow
+    (its embeddings changed before the first layer) runs whole, a float32 accumulator per weight,
+    stated in the note. On a skeleton (tensor parallelism, or --lazy in one process) it runs
+    before anything is loaded: its own phase, stated in the note and not added to the peak. The
+    output kind adds its Gram matrices (at most ``GRAM_BYTES`` at once) to a loaded model."""
     skip = "skipped with --no_warm_start --no_polish --no_guarantee --search_evals 0"
     seqs = cfg.sensitivity_sequences
     who = "rank 0, its own phase" if world > 1 else "its own phase"
-    if cfg.sensitivity_kind == "fisher" and skeleton:
+    if cfg.sensitivity_kind == "fisher":
         stored = host_bytes(n_layers, seqs, cfg.seq_len, hidden)
-        return Term(f"sensitivity pass ({who})", 0.0,
-                    f"layer by layer before loading: {stored / GB:.2f} GB of stored layer inputs "
-                    f"({seqs} x {cfg.seq_len} tokens) + one float32 layer; {skip}")
+        if skeleton:
+            return Term(f"sensitivity pass ({who})", 0.0,
+                        f"layer by layer before loading: {stored / GB:.2f} GB of stored layer inputs "
+                        f"({seqs} x {cfg.seq_len} tokens) + one float32 layer; {skip}")
+        outside, layer = accumulator_bytes(model, plans)
+        return Term("sensitivity pass: layer by layer (Fisher)", float(stored + outside + layer),
+                    f"in place: stored layer inputs {stored / GB:.2f} GB ({seqs} x {cfg.seq_len} tokens) + float32 "
+                    f"Fisher accumulators of the embedding and head {outside / GB:.2f} GB and of one layer "
+                    f"{layer / GB:.2f} GB (a model the layer road refuses runs whole: one per weight, "
+                    f"{full * 4 / GB:.2f} GB); {skip}")
     if cfg.sensitivity_kind == "measured":  # training/measured.py: HeldAside's caches beside the model
         tokens, vocab = seqs * cfg.seq_len, int(getattr(getattr(model, "config", None), "vocab_size", 0) or 0)
         logp = tokens * vocab * 4 if tokens * vocab * 4 <= TEACHER_CACHE_BYTES else tokens * hidden * 4
@@ -134,13 +146,11 @@ def sensitivity_term(cfg, model: nn.Module, plans: Sequence, full: int, world: i
                     f"(one forward per tensor and rung); {skip}")
     modules = dict(model.named_modules())
     gram = min(GRAM_BYTES, sum(gram_bytes(p, modules) for p in plans))
-    stats = full * 4 if cfg.sensitivity_kind == "fisher" else gram
-    what = "Fisher accumulators (float32)" if cfg.sensitivity_kind == "fisher" else "input Gram matrices"
     if skeleton:  # the output kind: (rank 0) loads the float32 model whole for it
         return Term(f"sensitivity pass ({who})", 0.0,
-                    f"the whole float32 model {full * 4 / GB:.2f} GB + {what} {stats / GB:.2f} GB; "
+                    f"the whole float32 model {full * 4 / GB:.2f} GB + input Gram matrices {gram / GB:.2f} GB; "
                     f"--sensitivity_kind fisher streams it; {skip}")
-    return Term(f"sensitivity pass: {what}", stats, skip)
+    return Term("sensitivity pass: input Gram matrices", gram, skip)
 
 
 def compensation_term(cfg, model: nn.Module, plans: Sequence, *, skeleton: bool = False, world: int = 1) -> Term | None:

@@ -321,10 +321,10 @@ def plan_memory(cfg, model: nn.Module, plans: Sequence, *, adapter=None, tp_plan
         f32 = 4 / (B * db)  # the probe's bytes are the training dtype's for B sequences; the pass is float32, one
         mp.device = one_shot_device(cfg, skeleton=skeleton,
                                     layer_bytes=_layer_numel(plans, sel, model) * 4 + max(per_kind.values()) * f32)
-        if cfg.needs_sensitivity and not skeleton:  # the Fisher pass on the loaded model, one sequence at a time
+        if cfg.needs_sensitivity and not skeleton:  # the loaded model's pass: one sequence through one layer
             mp.host.append(Term("sensitivity pass: one sequence's activations and loss",
-                                (all_layers + layer_in) * f32 + loss_chunk_bytes(T - 1, vocab, 4),
-                                "every layer's saved activations and the float32 logits of one sequence"))
+                                (max(per_kind.values()) + layer_in) * f32 + loss_chunk_bytes(T - 1, vocab, 4),
+                                "one layer's saved activations and the float32 logits of one sequence (the head's)"))
     add_compensation(mp, cfg, model, plans, skeleton=skeleton, world=world)  # last: its layer-by-layer phase is set against the rest
     mp.disk.insert(0, Term("candidate cache (VOODOO_CACHE_DIR)", float(sum(sum(p.sizes) for p in plans)),
                            "every menu candidate of every tensor" + (" (compensated: keyed apart from plain ones)"

@@ -14,7 +14,10 @@ Linear, the gradient of token i's log-likelihood w.r.t. W is ``δ_i x_iᵀ`` (ou
 input), so ``diag F = (1/N) Σ_i δ_i² (x_i²)ᵀ`` is one matmul of squared output gradients and squared
 inputs; for an Embedding it is ``δ_i²`` added to the row of token i. Labels are *sampled* from
 the model's own distribution (a seeded draw), which makes this the true Fisher rather than the
-empirical one. Memory: one float32 tensor per weight, on the weight's device.
+empirical one. Memory of the whole-model pass here (:func:`fisher_diagonal`): one float32
+tensor per weight, on the weight's device. A run takes ``layerwise.py``'s road instead, one decoder
+layer's accumulators at a time, the same products in the same order; this pass is left for a
+loaded model that road refuses.
 
 From F and the very candidates training uses, ``curvature`` gives per tensor the matrix
 ``M[j][k] = ½ Σ F ⊙ e_j ⊙ e_k`` over its rungs: ``M[k][k]`` is the predicted ΔKL of rung k (the
@@ -31,8 +34,6 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-
 
 
 class FisherHooks:

@@ -53,18 +53,12 @@ from ..core.errors import ConfigError
 from ..core.units import GB
 from ..distributed.parallel import decoder_layers
 from .hessians import Collection, accumulating_hook, compensable, in_gguf_order, reader, shared_inputs, stored_layout
-from .layerwise import _buffers_to, _layer_index, _layers_replaced, _materialize, _params, _release, _restored, record
+from .layerwise import (
+    InPlace, LayerwiseUnsupported, Read, _buffers_to, _layer_index, _layers_replaced, _params, _release, evaluating,
+    outside_buffers_to, record,
+)
 
 BATCH = 4  # sequences per forward: the whole-model collection's (hessians.collect_passes)
-
-
-class LayerwiseUnsupported(ConfigError):
-    """A model this collection cannot run one decoder layer at a time (the whole-model collection
-    still can, when the model is loaded); `why` says what it lacks."""
-
-    def __init__(self, message: str, why: str):
-        super().__init__(message)
-        self.why = why
 
 
 class _HeadReached(Exception):
@@ -77,76 +71,18 @@ def _unsupported(model: nn.Module, why: str) -> LayerwiseUnsupported:
                                 "or with --error_compensation none", why)
 
 
-class _Read:
-    """A skeleton's weights: the embedding, norms and head, or one decoder layer, read from the
-    checkpoint (float32, onto `device`) while in use, and put back on ``meta`` after."""
-
-    def __init__(self, model: nn.Module, prefix: str, layers: nn.ModuleList, device: torch.device):
-        self.model, self.prefix, self.layers, self.device = model, prefix, layers, device
-        self.reader = model.voodoo_reader
-        self.originals: dict = {}
-
-    @contextlib.contextmanager
-    def held(self) -> Iterator[None]:
-        """The collection's span: every parameter and buffer put back as found on exit."""
-        with _restored(self.model):
-            self.originals = {(id(m), k): p for m in self.model.modules() for k, p in m._parameters.items()}
-            yield
-
-    @contextlib.contextmanager
-    def outside(self) -> Iterator[None]:
-        names = _outside(self.model, self.prefix)
-        _materialize(self.model, names, self.reader, self.device)
-        _outside_buffers_to(self.model, self.prefix, self.device)
-        try:
-            yield
-        finally:
-            _release(names, self.originals)
-
-    @contextlib.contextmanager
-    def layer(self, i: int) -> Iterator[None]:
-        names = _params(self.layers[i], f"{self.prefix}.{i}")
-        _materialize(self.model, names, self.reader, self.device)
-        _buffers_to(self.layers[i], self.device)
-        try:
-            yield
-        finally:
-            _release(names, self.originals)
+class _Read(Read):
+    """:class:`.layerwise.Read`, whose probe gives each decoder layer zero weights while it runs."""
 
     def probe(self):
         return _zero_layers(self.model, self.layers, self.prefix, self.originals, self.device)
 
 
-class _InPlace:
-    """A loaded model's own weights, where they are and in their dtype: nothing to read, move or
-    release, and the probe runs on the real weights (the whole-model collection's probe)."""
-
-    def __init__(self, model: nn.Module):
-        self.device = next(model.parameters()).device
-
-    def held(self):
-        return contextlib.nullcontext()
-
-    def outside(self):
-        return contextlib.nullcontext()
-
-    def layer(self, i: int):
-        return contextlib.nullcontext()
+class _InPlace(InPlace):
+    """:class:`.layerwise.InPlace`: the probe runs on the real weights (the whole-model collection's)."""
 
     def probe(self):
         return contextlib.nullcontext()
-
-
-@contextlib.contextmanager
-def _evaluating(model: nn.Module) -> Iterator[None]:
-    """Every module in eval mode (as the whole-model collection runs), each put back as found."""
-    modes = [(m, m.training) for m in model.modules()]
-    model.eval()
-    try:
-        yield
-    finally:
-        for m, was in modes:
-            m.training = was
 
 
 def collect_layerwise(model: nn.Module, plans: Sequence, tokens: torch.Tensor, *, batch_size: int = BATCH,
@@ -172,13 +108,13 @@ def collect_layerwise(model: nn.Module, plans: Sequence, tokens: torch.Tensor, *
     dev, host = w.device, torch.device("cpu")
     read_by = {p.name: reader(p, modules) for p in chosen}
     width = {p.name: modules[read_by[p.name]].in_features for p in chosen}
-    with _evaluating(model), w.held(), w.outside(), w.probe():
+    with evaluating(model), w.held(), w.outside(), w.probe():
         owner = shared_inputs(model, chosen, modules, tokens[:1, :8].to(dev))
     sizes, shared, order = stored_layout(chosen, owner, width)
     layer_of = {src: _layer_index(read_by[src], prefix) for src in set(owner.values())}
 
     def arrays() -> Iterator[tuple[str, np.ndarray]]:
-        with _evaluating(model), w.held():
+        with evaluating(model), w.held():
             batches = [tokens[i:i + batch_size] for i in range(0, tokens.shape[0], batch_size)]
             with w.outside():
                 hidden, calls = record(model, layers, batches, dev, _unsupported)
@@ -251,21 +187,11 @@ def _emit(order, acc: dict[str, torch.Tensor], width: dict[str, int], sources: s
         yield name, in_gguf_order(h, cols)
 
 
-def _outside(model: nn.Module, prefix: str):
-    return [t for t in _params(model, "") if not t[0].startswith(prefix + ".")]
-
-
-def _outside_buffers_to(model: nn.Module, prefix: str, device) -> None:
-    for mname, m in model.named_modules():
-        if not mname.startswith(prefix + ".") and mname != prefix:
-            _buffers_to(m, device, recurse=False)
-
-
 @contextlib.contextmanager
 def _zero_layers(model: nn.Module, layers: nn.ModuleList, prefix: str, originals, device) -> Iterator[None]:
     """While active, each decoder layer holds float32 zeros of its weights' shapes while it runs
     (no read: a probe of which tensor each Linear reads, not of values)."""
-    _outside_buffers_to(model, prefix, device)
+    outside_buffers_to(model, prefix, device)
 
     def pre(i: int):
         def hook(mod, args, kwargs=None):

@@ -1,29 +1,38 @@
-"""The Fisher pass one decoder layer at a time, for a model that is not loaded (a skeleton).
+"""The Fisher pass one decoder layer at a time, on a skeleton or on a loaded model.
 
-A tensor-parallel rank holds its model as a skeleton: parameters on ``meta``, read by name
-through its ``WeightReader``. The whole-model pass (``fisher.fisher_diagonal``) would first load
-the float32 model whole, and hold a float32 Fisher accumulator per weight beside it: for a 27B
-model about 108 GB each. This pass computes the same curvature matrices while holding one decoder
-layer at a time:
+The whole-model pass (``fisher.fisher_diagonal``) runs the model per sequence with hooks and
+holds a float32 Fisher accumulator per weight of the whole model (for a 27B model about 108 GB,
+beside the model). This pass computes the same curvature matrices while holding one decoder
+layer's accumulators (and the embedding's and head's), on either kind of model, with one loop:
+
+- a **skeleton** (``--lazy``, tensor parallelism: parameters on ``meta``, read by name through
+  its ``WeightReader``) has each layer read (float32, onto `device`) while it runs and put back
+  on ``meta`` after (:class:`Read`);
+- a **loaded** model is run in place, where its parameters are, in their dtype: nothing is read,
+  moved or replaced (:class:`InPlace`), and nothing is left changed on it.
 
 1. **Record.** The embedding's output for every calibration sequence, and every layer's call
    arguments (masks, rotary embeddings), captured by running the model with its layers replaced
    by recorders that pass the hidden states through.
-2. **Forward.** Layer by layer: its weights read (float32, onto `device`), run on every
-   sequence without a graph, its input kept on the host, the layer released.
+2. **Forward.** Layer by layer: run on every sequence without a graph, its input kept on the
+   host.
 3. **Head.** The model's own code after the layers (final norm, LM head) on the last hidden
    states, with grad; labels drawn from its distribution with the same generator, in the same
    order, as the whole-model pass; the gradient at the last hidden states kept.
-4. **Backward.** From the top, layer by layer: read again, run on its stored inputs with a
-   graph, and the gradient carried through it. Its tensors' Fisher diagonals are then complete:
-   their curvature matrices are computed from the candidates and the diagonals dropped. The
+4. **Backward.** From the top, layer by layer: run again on its stored inputs with a graph, and
+   the gradient carried through it. Its tensors' Fisher diagonals are then complete: their
+   curvature matrices are computed from the candidates and the diagonals dropped. The
    embedding's own use is added last, as the whole-model pass adds it.
 
-Every product and every sum is the whole-model pass's, in its order, so on the CPU the tables are
-equal to the bit (tests/test_layerwise.py). Peak memory: on `device`, the embedding and head, one
-layer with its Fisher accumulators, and one sequence's activations through one layer; on the host,
-each layer's input for the calibration sequences, ``(layers + 1) × sequences × seq_len × hidden``
-float32 values (:func:`host_bytes`).
+Every module runs in eval mode (each put back as found). Every product and every sum is the
+whole-model pass's, in its order, so on the CPU the tables are equal to the bit, from a skeleton
+or a loaded model (tests/test_layerwise.py). A model whose code the road cannot follow (its
+embeddings changed before the first layer, as Granite scales them; no ModuleList of decoder
+layers) raises :class:`LayerwiseUnsupported`; :func:`fisher_curvature` then runs a loaded model
+whole. Peak memory: where the layers run, the embedding's and head's accumulators, one layer's
+(with, from a skeleton, its float32 weights), one sequence's activations through one layer and
+the head's logits of one sequence; on the host, each layer's input for the calibration
+sequences, ``(layers + 1) × sequences × seq_len × hidden`` float32 values (:func:`host_bytes`).
 """
 
 from __future__ import annotations
@@ -39,19 +48,44 @@ import torch.nn.functional as F
 
 from ..core.errors import ConfigError
 from ..distributed.parallel import decoder_layers
-from .fisher import FisherHooks, curvature, module_uses, sample_labels
+from .fisher import FisherHooks, curvature, curvature_table, fisher_diagonal, module_uses, sample_labels
 
 log = logging.getLogger(__name__)
 
 
+class LayerwiseUnsupported(ConfigError):
+    """A model the layer-by-layer road cannot run (the whole-model pass still can, when the model
+    is loaded); `why` says what it lacks."""
+
+    def __init__(self, message: str, why: str):
+        super().__init__(message)
+        self.why = why
+
+
 def applies(model: nn.Module) -> bool:
-    """Whether `model` is a skeleton with a weight reader (the case this pass is for)."""
+    """Whether `model` is a skeleton with a weight reader (read layer by layer, not run in place)."""
     return getattr(model, "voodoo_reader", None) is not None
 
 
 def host_bytes(n_layers: int, sequences: int, seq_len: int, hidden: int) -> int:
     """Host bytes of the stored layer inputs (float32), the pass's largest term."""
     return (n_layers + 1) * sequences * seq_len * hidden * 4
+
+
+def accumulator_bytes(model: nn.Module, plans: Sequence) -> tuple[int, int]:
+    """(float32 bytes of the Fisher accumulators held the whole pass: the tensors used outside the
+    decoder layers, as the embedding and head; the largest decoder layer's), from shapes."""
+    prefix, _layers = decoder_layers(model)
+    per: dict[int | None, int] = {}
+    for p in plans:
+        idx = {_layer_index(m, prefix) for m in p.modules}
+        i = idx.pop() if len(idx) == 1 else None
+        n = 1
+        for d in p.shape:
+            n *= int(d)
+        per[i] = per.get(i, 0) + n * 4
+    outside = per.pop(None, 0)
+    return outside, max(per.values(), default=0)
 
 
 class _Pass(nn.Module):
@@ -163,17 +197,124 @@ def record(model: nn.Module, layers: nn.ModuleList, batches: Sequence[torch.Tens
     return hidden, calls
 
 
+class Read:
+    """A skeleton's weights: the embedding, norms and head, or one decoder layer, read from the
+    checkpoint (float32, onto `device`) while in use, and put back on ``meta`` after."""
+
+    def __init__(self, model: nn.Module, prefix: str, layers: nn.ModuleList, device: torch.device):
+        self.model, self.prefix, self.layers, self.device = model, prefix, layers, device
+        self.reader = model.voodoo_reader
+        self.originals: dict = {}
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """The pass's span: every parameter and buffer put back as found on exit."""
+        with _restored(self.model):
+            self.originals = {(id(m), k): p for m in self.model.modules() for k, p in m._parameters.items()}
+            yield
+
+    @contextlib.contextmanager
+    def outside(self) -> Iterator[None]:
+        names = outside_params(self.model, self.prefix)
+        _materialize(self.model, names, self.reader, self.device)
+        outside_buffers_to(self.model, self.prefix, self.device)
+        try:
+            yield
+        finally:
+            _release(names, self.originals)
+
+    @contextlib.contextmanager
+    def layer(self, i: int) -> Iterator[None]:
+        names = _params(self.layers[i], f"{self.prefix}.{i}")
+        _materialize(self.model, names, self.reader, self.device)
+        _buffers_to(self.layers[i], self.device)
+        try:
+            yield
+        finally:
+            _release(names, self.originals)
+
+
+class InPlace:
+    """A loaded model's own weights, where they are and in their dtype: nothing to read, move or
+    release."""
+
+    def __init__(self, model: nn.Module):
+        self.device = next(model.parameters()).device
+
+    def held(self):
+        return contextlib.nullcontext()
+
+    def outside(self):
+        return contextlib.nullcontext()
+
+    def layer(self, i: int):
+        return contextlib.nullcontext()
+
+
+def weights_of(model: nn.Module, prefix: str, layers: nn.ModuleList, device: torch.device | None):
+    """:class:`Read` for a skeleton (onto `device`, default the CPU), :class:`InPlace` for a loaded
+    model (its own device; `device` is not used)."""
+    if applies(model):
+        return Read(model, prefix, layers, torch.device("cpu") if device is None else torch.device(device))
+    return InPlace(model)
+
+
+@contextlib.contextmanager
+def evaluating(model: nn.Module) -> Iterator[None]:
+    """Every module in eval mode (a layer run twice must compute the same thing twice), each put
+    back as found."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, was in modes:
+            m.training = was
+
+
+def outside_params(model: nn.Module, prefix: str):
+    return [t for t in _params(model, "") if not t[0].startswith(prefix + ".")]
+
+
+def outside_buffers_to(model: nn.Module, prefix: str, device) -> None:
+    for mname, m in model.named_modules():
+        if not mname.startswith(prefix + ".") and mname != prefix:
+            _buffers_to(m, device, recurse=False)
+
+
+def fisher_curvature(model: nn.Module, plans: Sequence, tokens: torch.Tensor,
+                     blobs_for: Callable[[object], Mapping[str, bytes]], weights: Mapping[str, torch.Tensor], *,
+                     seed: int = 0, device: torch.device | None = None
+                     ) -> tuple[dict[str, dict], dict[str, torch.Tensor] | None]:
+    """(the curvature table, None) layer by layer (:func:`layerwise_curvature`); for a loaded
+    model the road refuses, (the table, the Fisher diagonals) of the whole-model pass, with a log
+    line saying why. `weights` are the planned tensors' float weights (the whole-model pass's)."""
+    try:
+        return layerwise_curvature(model, plans, tokens, blobs_for, seed=seed, device=device), None
+    except LayerwiseUnsupported as e:
+        if applies(model):
+            raise
+        log.info("sensitivity pass: not layer by layer (%s): the whole model instead, "
+                 "a float32 Fisher accumulator per weight", e.why)
+    fish = fisher_diagonal(model, plans, tokens, seed=seed)
+    return curvature_table(plans, weights, fish, blobs_for), fish
+
+
 def layerwise_curvature(model: nn.Module, plans: Sequence, tokens: torch.Tensor,
                         blobs_for: Callable[[object], Mapping[str, bytes]], *, seed: int = 0,
                         device: torch.device | None = None) -> dict[str, dict]:
     """tensor -> {"types", "m"} as ``fisher.curvature_table(plans, weights, fisher_diagonal(...))``
-    of the loaded model would give, computed on skeleton `model` one decoder layer at a time.
-    `blobs_for(plan)` gives type -> ggml bytes of the rungs to price. The skeleton is left as it
-    was found (every parameter back on ``meta``)."""
-    reader = model.voodoo_reader
-    device = torch.device("cpu") if device is None else torch.device(device)
-    host = torch.device("cpu")
-    prefix, layers = decoder_layers(model)
+    of the loaded model would give, computed one decoder layer at a time (module docstring).
+    `blobs_for(plan)` gives type -> ggml bytes of the rungs to price. `model` is a skeleton (read
+    onto `device`, default the CPU; left as it was found, every parameter back on ``meta``) or a
+    loaded model (run in place on its own device, left as it was found). Raises
+    :class:`LayerwiseUnsupported` for a model it cannot run so."""
+    try:
+        prefix, layers = decoder_layers(model)
+    except ConfigError as e:
+        raise _unsupported(model, str(e)) from None
+    w = weights_of(model, prefix, layers, device)
+    device, host = w.device, torch.device("cpu")
     n_layers = len(layers)
     modules = dict(model.named_modules())
     use = module_uses(plans)
@@ -205,13 +346,7 @@ def layerwise_curvature(model: nn.Module, plans: Sequence, tokens: torch.Tensor,
             types, m = curvature(p, weight_of(p), f, blobs_for(p))
             out[p.name] = {"types": types, "m": m.tolist()}
 
-    with _restored(model):
-        originals = {(id(m), k): p for m in model.modules() for k, p in m._parameters.items()}
-        outside = [t for t in _params(model, "") if not t[0].startswith(prefix + ".")]
-        _materialize(model, outside, reader, device)
-        for mname, m in model.named_modules():
-            if not mname.startswith(prefix + ".") and mname != prefix:
-                _buffers_to(m, device, recurse=False)
+    with evaluating(model), w.held(), w.outside():
         start(by_layer.get(None, []))
 
         # 1. record: every sequence's embedding output and every layer's call arguments
@@ -221,17 +356,13 @@ def layerwise_curvature(model: nn.Module, plans: Sequence, tokens: torch.Tensor,
 
         # 2. forward, one layer at a time; each layer's input stays on the host
         for i in range(n_layers):
-            names = _params(layers[i], f"{prefix}.{i}")
-            _materialize(model, names, reader, device)
-            _buffers_to(layers[i], device)
-            with torch.no_grad():
+            with w.layer(i), torch.no_grad():
                 for s in range(len(hidden)):
                     a, k = calls[s][i]
                     y = layers[i](hidden[s][i].to(device), *a, **k)
                     if not isinstance(y, torch.Tensor):
                         raise _unsupported(model, f"its decoder layer {i} returns {type(y).__name__}, not the hidden states")
                     hidden[s].append(y.to(host))
-            _release(names, originals)
         log.info("sensitivity pass: %d layers forward, %d sequences", n_layers, len(hidden))
 
         # 3. the head: the model's code after the layers, labels drawn as the whole-model pass draws them
@@ -245,25 +376,23 @@ def layerwise_curvature(model: nn.Module, plans: Sequence, tokens: torch.Tensor,
                 y = sample_labels(logits, gen)
                 loss = F.cross_entropy(logits, y, reduction="sum")
                 (g,) = torch.autograd.grad(loss, x)
+                del logits, loss
                 grads.append(g)
-                n_tok += logits.shape[0]
+                n_tok += y.shape[0]
                 hidden[s].pop()
 
         # 4. backward, one layer at a time from the top; a layer's curvature as soon as it is complete
         for i in reversed(range(n_layers)):
-            names = _params(layers[i], f"{prefix}.{i}")
-            _materialize(model, names, reader, device)
-            _buffers_to(layers[i], device)
-            ps = by_layer.get(i, [])
-            start(ps)
-            with acc.linears([m for m in use if _layer_index(m, prefix) == i]):
-                for s in range(len(hidden)):
-                    a, k = calls[s][i]
-                    x = hidden[s].pop().to(device).requires_grad_(True)
-                    y = layers[i](x, *a, **k)
-                    (grads[s],) = torch.autograd.grad(y, x, grad_outputs=grads[s])
-            finish(ps, n_tok)
-            _release(names, originals)
+            with w.layer(i):
+                ps = by_layer.get(i, [])
+                start(ps)
+                with acc.linears([m for m in use if _layer_index(m, prefix) == i]):
+                    for s in range(len(hidden)):
+                        a, k = calls[s][i]
+                        x = hidden[s].pop().to(device).requires_grad_(True)
+                        y = layers[i](x, *a, **k)
+                        (grads[s],) = torch.autograd.grad(y, x, grad_outputs=grads[s])
+                finish(ps, n_tok)
         if emb_name in use:  # the embedding's own use, after every LM-head term (fisher_diagonal's order)
             for ids, g in zip(ids_of, grads):
                 acc.embedding(emb_name, ids, g[0])
@@ -271,9 +400,9 @@ def layerwise_curvature(model: nn.Module, plans: Sequence, tokens: torch.Tensor,
     return out
 
 
-def _unsupported(model: nn.Module, why: str) -> ConfigError:
-    return ConfigError(f"the layer-by-layer sensitivity pass cannot run on {type(model).__name__}: {why}; "
-                       "--sensitivity_kind output computes the table on the whole model instead")
+def _unsupported(model: nn.Module, why: str) -> LayerwiseUnsupported:
+    return LayerwiseUnsupported(f"the layer-by-layer sensitivity pass cannot run on {type(model).__name__}: {why}; "
+                                "--sensitivity_kind output computes the table on the whole model instead", why)
 
 
 def _layer_index(mname: str, prefix: str) -> int | None:

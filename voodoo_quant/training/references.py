@@ -71,12 +71,12 @@ def complete_curvature(run, base, vectors, sens, *, save: bool = True) -> None:
         return blobs
 
     calib = run.tokens[: cfg.sensitivity_sequences]
-    if sens.fisher is None and layerwise.applies(base):  # a --lazy skeleton: one decoder layer at a time
-        run.curvature.update(layerwise.layerwise_curvature(base, need, calib, blobs_for, seed=cfg.seed, device=run.device))
-    else:
-        fish = sens.fisher or fisher.fisher_diagonal(base, run.plans, calib, seed=cfg.seed)
+    if sens.fisher is None:  # another Fisher pass, one decoder layer at a time, for the tensors that need it
+        curv, _ = layerwise.fisher_curvature(base, need, calib, blobs_for, weights, seed=cfg.seed, device=run.device)
+        run.curvature.update(curv)
+    else:  # the table's pass ran on the whole model: its diagonals were kept
         for p in need:
-            types, m = fisher.curvature(p, weights[p.name], fish[p.name], blobs_for(p))
+            types, m = fisher.curvature(p, weights[p.name], sens.fisher[p.name], blobs_for(p))
             run.curvature[p.name] = {"types": types, "m": m.tolist()}
     if save:
         sens.save(run.plans)

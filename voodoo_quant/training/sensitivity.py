@@ -27,8 +27,7 @@ import torch.nn as nn
 
 from ..core import fileio
 from ..gguf.imatrix import vector_hash
-from . import fisher, layerwise
-from .fisher import curvature_table
+from . import layerwise
 from ..experimental.measured import measured_table
 from .provenance import model_weights_sha256
 from .setup import candidate_sources, reader_weights
@@ -233,7 +232,10 @@ def warm_logits(plans: Sequence, layout: Mapping[str, int], tau: float, mass: fl
 @dataclass
 class Sensitivity:
     """A run's sensitivity table (tensor -> s per menu rung), and, for the Fisher kind or when the
-    search needs it, the curvature matrices (``fisher.curvature``) and the Fisher diagonal."""
+    search needs it, the curvature matrices (``fisher.curvature``); the whole model's Fisher
+    diagonals only where the pass ran on the whole model (a loaded model the layer-by-layer road
+    refuses): the search's off-menu rungs are priced from them, else by another pass
+    (``references.complete_curvature``)."""
 
     table: dict[str, list[float]]
     curvature: dict[str, dict] | None = None
@@ -276,12 +278,8 @@ def ensure_table(cfg, base: nn.Module, plans: Sequence, vectors, tokens: torch.T
         return dict(zip(p.menu.types, sources(p)))
 
     curv = fish = None
-    if kind == "fisher" or need_curvature:
-        if streamed:
-            curv = layerwise.layerwise_curvature(base, plans, calib, blobs_for, seed=cfg.seed, device=device)
-        else:
-            fish = fisher.fisher_diagonal(base, plans, calib, seed=cfg.seed)
-            curv = curvature_table(plans, weights, fish, blobs_for)
+    if kind == "fisher" or need_curvature:  # one decoder layer at a time (layerwise.py), a loaded model in place
+        curv, fish = layerwise.fisher_curvature(base, plans, calib, blobs_for, weights, seed=cfg.seed, device=device)
     if kind == "fisher":
         table = {n: [c["m"][k][k] for k in range(len(c["types"]))] for n, c in curv.items()}
     elif kind == "measured":
