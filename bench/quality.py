@@ -306,9 +306,20 @@ class Bench:
         """Seconds the item took in earlier sessions (its own steps, and the shared steps and eval
         bases not yet run in this one); 0 where nothing was recorded."""
         own = sum(s for (i, _), s in self.history.items() if i == item.label)
-        shared = 0.0 if "shared" in self.ready else sum(self.history.get((None, s), 0.0) for s in self.shared_steps)
-        bases = sum(self.history.get((None, f"eval-base-{x}"), 0.0) for x in texts if x not in self.bases)
+        shared = 0.0 if "shared" in self.ready else sum(
+            self.history.get((None, s), 0.0) for s in self.shared_steps if not self.found(s))
+        bases = sum(self.history.get((None, f"eval-base-{x}"), 0.0) for x in texts
+                    if x not in self.bases and not any((self.cfg.work / "eval").glob(f"base-{x}-*.kld")))
         return own + shared + bases
+
+    def found(self, step: str) -> bool:
+        """Whether this machine holds a finished `step` of the ladder with its outputs intact (of
+        any inputs: an estimate, not the check the ladder makes before skipping it)."""
+        from voodoo_quant.tools.manifest import Manifests
+
+        work = self.quantize_config((100,)).output_dir / "work"
+        r = Manifests(work).load(step)
+        return r is not None and r.complete and bool(r.outputs) and all(Path(p).exists() for p in r.outputs)
 
     def setup(self, ladder, item: Item, texts: list[str]) -> None:
         """The shared steps (once per process) and the eval bases the item needs."""

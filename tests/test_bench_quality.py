@@ -294,6 +294,24 @@ def test_bench_stops_between_files_when_the_budget_is_spent(tiny_bench, tiny_lla
     assert s.left == ["Voodoo60-s2-seed0", "stock-Q4_0", "uniform-Q5_0"]
 
 
+@pytest.mark.slow
+def test_the_estimate_leaves_out_the_shared_steps_and_bases_this_machine_holds(tiny_bench, tiny_llama_hf_dir):
+    """A second run on the machine that made the shared steps counts only each item's own seconds:
+    an earlier session's imatrix time must not stop a run that would skip the imatrix."""
+    q, tmp, results, _ = tiny_bench
+    b = q.Bench(_cfg(q, tiny_llama_hf_dir, tmp, results), "cmd", log=lambda s: None)
+    b.prepare()
+    b.ready, b.bases = set(), {}
+    item = q.Item("stock", "Q4_0")
+    own = sum(v for (i, _), v in b.history.items() if i == item.label)
+    assert own > 0 and all(b.found(s) for s in ("data", "reference", "imatrix"))
+    assert b.estimate(item, ["plays", "python"]) == pytest.approx(own)
+    elsewhere = q.Bench(_cfg(q, tiny_llama_hf_dir, tmp / "fresh", results), "cmd", log=lambda s: None)
+    elsewhere.prepare()
+    elsewhere.ready, elsewhere.bases = set(), {}
+    assert elsewhere.estimate(item, ["plays", "python"]) > own  # a fresh machine: the shared steps count
+
+
 def test_a_variant_overrides_train_settings_but_not_the_ladders():
     from voodoo_quant.core.errors import ConfigError
     from voodoo_quant.tools.quantize import Variant
