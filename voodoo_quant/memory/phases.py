@@ -220,3 +220,20 @@ def add_compensation(mp, cfg, model: nn.Module, plans: Sequence, *, skeleton: bo
         over = on_device - mp.device_total
         mp.device.append(Term(f"layer-by-layer Hessian collection{who}" + (": above training" if over > 0 else ""),
                               max(0.0, over), f"own phase, peak {on_device / GB:.2f} GB on the device"))
+
+
+def builds_student(cfg) -> bool:
+    """Whether the run builds the gated student (training/methods.py ``runner_for``: ``--method
+    sensitivity`` writes the knapsack's layout and a finalize bakes a journal's gates; neither
+    builds a student, a teacher or gates)."""
+    return cfg.method == "gates" and not cfg.finalize_from_partial
+
+
+def one_shot_device(cfg, *, skeleton: bool, layer_bytes: float) -> list[Term]:
+    """The device of a run that builds no student: the loaded model's sensitivity pass runs where
+    the model was loaded (the host); a skeleton's streams one decoder layer at a time on the device
+    (training/layerwise.py)."""
+    if not (cfg.needs_sensitivity and skeleton):
+        return [Term("nothing trains (--method sensitivity)", 0.0, "the sensitivity pass runs on the loaded model, on the host")]
+    return [Term("sensitivity pass: one decoder layer (float32)", layer_bytes,
+                 "its weights and one sequence's activations, streamed layer by layer")]

@@ -60,7 +60,7 @@ from ..selection.budget import Budget
 from ..student.build import IdentityLayout, converter_layouts, fixed_tensors, plan_model, selectable_weights
 from ..student.layers import MIX_CHUNK_ELEMENTS, chunk_rows
 from ..training.target_size import run_budget
-from .phases import add_compensation, measure_phase, references_bytes, sensitivity_term
+from .phases import add_compensation, builds_student, measure_phase, one_shot_device, references_bytes, sensitivity_term
 from .probe import _layer_kinds, layer_saved_bytes
 from .terms import PROCESS_BASELINE, Term
 
@@ -331,23 +331,6 @@ def plan_memory(cfg, model: nn.Module, plans: Sequence, *, adapter=None, tp_plan
                                                                    if cfg.compensation != "none" else "")))
     mp.advice = _advice(cfg, mp, capacity, replan)
     return mp
-
-
-def builds_student(cfg) -> bool:
-    """Whether the run builds the gated student (training/methods.py ``runner_for``: ``--method
-    sensitivity`` writes the knapsack's layout and a finalize bakes a journal's gates; neither
-    builds a student, a teacher or gates)."""
-    return cfg.method == "gates" and not cfg.finalize_from_partial
-
-
-def one_shot_device(cfg, *, skeleton: bool, layer_bytes: float) -> list[Term]:
-    """The device of a run that builds no student: the loaded model's sensitivity pass runs where
-    the model was loaded (the host); a skeleton's streams one decoder layer at a time on the device
-    (training/layerwise.py)."""
-    if not (cfg.needs_sensitivity and skeleton):
-        return [Term("nothing trains (--method sensitivity)", 0.0, "the sensitivity pass runs on the loaded model, on the host")]
-    return [Term("sensitivity pass: one decoder layer (float32)", layer_bytes,
-                 "its weights and one sequence's activations, streamed layer by layer")]
 
 
 def _reads_by_name(model: str) -> bool:
