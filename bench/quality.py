@@ -9,15 +9,17 @@
 texts (``quality_texts.py``: the plays and Python's own sources, split by file; calibration on
 both, or one with ``--calib``). Every (file, eval text) becomes one JSON line appended to the
 results file as soon as it is measured, with the digest of the settings that made it
-(``quality_rows.py``); a rerun skips every row present with the same digest. Nothing but the
-repository survives between sessions, so each session rebuilds the shared steps (tokens, F32
-reference, imatrix; the candidates and Hessians when a trained file is due; the eval bases) and
-adds rows; ``--max_minutes`` stops it between files. A file is deleted once measured.
+(``quality_rows.py``); a rerun skips every row present with the same digest. The work folder
+(the shared steps: tokens, F32 reference, imatrix, Hessians, eval bases) lives in the cache
+folder, beside the candidate cache, so a later run on the same machine, from any checkout,
+resumes where it stopped; on a new machine it rebuilds them. ``--max_minutes`` stops it between
+files. A file is deleted once measured.
 
 Work order: the Q8_0 floor; per size, ascending, the written file (gates + selection, the
 defaults) and the stock recipe of its badge; the other stock recipes; the compensated and the
 plain Fisher knapsack (``--method sensitivity``, ``--error_compensation gptq`` / ``none``) per
-size; the uniform files (``llama-quantize --pure``); at ``--fair_sizes`` the written file's other
+size (and, when ``--methods`` names it, ``knapsack-gptq-packed``: compensated with
+``--compensation_sweep packed``), in the order ``--methods`` gives; the uniform files (``llama-quantize --pure``); at ``--fair_sizes`` the written file's other
 seeds and step counts. ``report`` renders the tables and the plot from the JSON lines alone
 (``quality_report.py``).
 
@@ -54,6 +56,7 @@ import quality_report as report  # noqa: E402
 import quality_rows as store  # noqa: E402
 import quality_texts as texts_mod  # noqa: E402
 
+from voodoo_quant.core import envs  # noqa: E402
 from voodoo_quant.core.errors import VoodooError  # noqa: E402
 from voodoo_quant.tools.manifest import digest  # noqa: E402
 from voodoo_quant.tools.variant import Variant  # noqa: E402
@@ -61,7 +64,9 @@ from voodoo_quant.training.config import STOCK_REFERENCES  # noqa: E402
 
 BENCH_NAME = "qwen2.5-coder-1.5b"  # the name of the benchmark model's results
 FLOOR = "Q8_0"
-METHODS = ("voodoo", "knapsack-gptq", "knapsack")  # the written file; --method sensitivity, gptq / none
+# the written file; --method sensitivity, gptq / none; and gptq with --compensation_sweep packed
+METHODS = ("voodoo", "knapsack-gptq", "knapsack", "knapsack-gptq-packed")
+DEFAULT_METHODS = METHODS[:3]  # the packed walk is measured when asked for
 UNIFORM = ("IQ2_S", "IQ3_S", "Q3_K_S", "IQ4_XS", "Q4_K_S", "Q5_K_S", "Q6_K")
 SIZES = ("min", 25, 30, 35, 40, 45, 55, 65, 75, 85, 95)
 SHARED_STEPS = ("data", "make-teacher", "reference", "imatrix", "candidate-cache")
@@ -73,9 +78,9 @@ class BenchConfig:
     degrid_seed: int | None = None  # de-grid a model whose weights are a dequantized quant (a GGUF)
     name: str | None = None  # results name; default qwen2.5-coder-1.5b for the benchmark model
     results: Path | None = None  # default docs/results/<name>.jsonl
-    work: Path | None = None  # default runs/bench-<name>
+    work: Path | None = None  # default <VOODOO_CACHE_DIR>/bench/<name>: kept across checkouts
     sizes: tuple = SIZES  # percent of uniform Q8_0; "min": the smallest the menus reach (and none below)
-    methods: tuple[str, ...] = METHODS
+    methods: tuple[str, ...] = DEFAULT_METHODS
     stock: tuple[str, ...] = STOCK_REFERENCES  # IQ1_S .. Q8_0
     uniform: tuple[str, ...] = UNIFORM
     steps: tuple[int, ...] = (50, 10, 100)  # the first everywhere, the others at --fair_sizes
@@ -114,7 +119,7 @@ class BenchConfig:
             raise SystemExit(f"--model {self.model}: no HF checkpoint or GGUF there (the benchmark model: make bench-models)")
         self.name = self.name or default_model_name(self.model)
         self.results = Path(self.results or ROOT / "docs" / "results" / f"{self.name}.jsonl")
-        self.work = Path(self.work or ROOT / "runs" / f"bench-{self.name}")
+        self.work = Path(self.work or envs.cache_dir() / "bench" / self.name)
         self.sizes = tuple(s if s == "min" else int(s) for s in self.sizes)
         checks = [("--methods", self.methods, METHODS), ("--stock", self.stock, qt.LLAMA_FTYPES),
                   ("--uniform", self.uniform, qt.LLAMA_FTYPES), ("--calib", self.calib, texts_mod.DOMAINS)]
@@ -133,7 +138,7 @@ class BenchConfig:
 class Item:
     """One file to make: a stock or uniform recipe, or a method at a size."""
 
-    method: str  # stock | uniform | voodoo | knapsack-gptq | knapsack
+    method: str  # stock | uniform | voodoo | knapsack-gptq | knapsack | knapsack-gptq-packed
     recipe: str | None = None
     size: int | None = None
     steps: int | None = None
@@ -154,7 +159,9 @@ class Item:
     def variant(self, extra: dict[str, Any]) -> Variant:
         own = {"voodoo": {"max_steps": self.steps, "seed": self.seed},
                "knapsack-gptq": {"method": "sensitivity", "error_compensation": "gptq"},
-               "knapsack": {"method": "sensitivity", "error_compensation": "none"}}[self.method]
+               "knapsack": {"method": "sensitivity", "error_compensation": "none"},
+               "knapsack-gptq-packed": {"method": "sensitivity", "error_compensation": "gptq",
+                                        "compensation_sweep": "packed"}}[self.method]
         return Variant(self.variant_name, {**extra, **own})
 
     def key(self) -> dict[str, Any]:
@@ -173,7 +180,7 @@ def plan(cfg: BenchConfig, sizes: tuple[int, ...]) -> list[Item]:
         if qt.BADGES.get(s) in cfg.stock:
             items.append(Item("stock", qt.BADGES[s]))
     items += [Item("stock", r) for r in cfg.stock]
-    items += [Item(m, size=s) for m in METHODS[1:] if m in cfg.methods for s in sizes]
+    items += [Item(m, size=s) for m in cfg.methods if m != "voodoo" for s in sizes]  # in the order asked
     items += [Item("uniform", r) for r in cfg.uniform]
     if "voodoo" in cfg.methods:
         items += [Item("voodoo", size=s, steps=s0, seed=x) for s in cfg.fair_sizes for x in cfg.seeds[1:]]
@@ -439,9 +446,9 @@ def parse(argv: list[str]) -> tuple[str, Any]:
     r.add_argument("--model", type=Path, help="HF dir or GGUF (default: the de-gridded benchmark teacher)")
     r.add_argument("--name", help=f"results name (default {BENCH_NAME} for the benchmark model, else the model's)")
     r.add_argument("--results", type=Path, help="the JSONL (default docs/results/<name>.jsonl)")
-    r.add_argument("--work", type=Path, help="work folder (default runs/bench-<name>)")
+    r.add_argument("--work", type=Path, help="work folder (default <VOODOO_CACHE_DIR>/bench/<name>)")
     lists = {"sizes": ("percent of uniform Q8_0; min: the smallest reachable", str),
-             "methods": (" ".join(METHODS), str), "stock": ("llama-quantize ftypes (Q8_0 always)", str),
+             "methods": (f"of {' '.join(METHODS)}", str), "stock": ("llama-quantize ftypes (Q8_0 always)", str),
              "uniform": ("llama-quantize --pure ftypes", str), "steps": ("gate steps: the first everywhere", int),
              "seeds": ("seeds: the first everywhere", int), "fair_sizes": ("sizes of the other steps and seeds", int),
              "calib": ("calibration domains: plays python", str), "menu": ("--candidate_types (default: the product's)", str)}

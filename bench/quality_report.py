@@ -3,7 +3,7 @@ ratios with their noise, the Markdown tables and the PNG plot. Pure functions of
 tool runs here), unit-tested on made-up rows (tests/test_bench_quality.py).
 
 A row (``quality.py``: one file on one eval text) has ``name``, ``method`` ("stock", "uniform",
-"voodoo", "knapsack-gptq", "knapsack"), ``calib`` and ``text`` (the calibration domains and the
+"voodoo", "knapsack-gptq", "knapsack", "knapsack-gptq-packed"), ``calib`` and ``text`` (the calibration domains and the
 eval text), ``size_bytes``, ``kld_mean``, ``kld_stderr`` (standard error over chunks),
 ``kld_chunks`` (each chunk's mean KLD, for paired differences); stock and uniform rows have
 ``recipe``, the others ``size`` (percent of uniform Q8_0), the written file (voodoo) also
@@ -31,6 +31,8 @@ FLOOR = "Q8_0"
 TARGET_VS_STOCK = 0.5
 TARGET_VS_KNAPSACK = 0.85
 LEARNED_SIZES = (25, 30, 35, 40, 45)  # where the learned stage's target applies
+# the knapsacks: compensated (the "fixed" walk), plain, compensated with the "packed" walk
+KNAPSACKS = ("knapsack-gptq", "knapsack", "knapsack-gptq-packed")
 PEERS = {"autoround": "tab:purple"}  # other quantizers' files (autoround.py): method → plot colour
 
 
@@ -175,7 +177,7 @@ def knapsacks(rows: Sequence[dict]) -> list[dict]:
     floor = float(floor_row(rows)["kld_mean"])
     front = pareto([r for r in rows if r["method"] == "stock"])
     out = []
-    for method in ("knapsack-gptq", "knapsack"):
+    for method in KNAPSACKS:
         for v in curve(rows, method):
             k = frontier_kld(front, v["size_bytes"])
             excess = v["kld_mean"] - floor
@@ -189,6 +191,22 @@ def knapsacks(rows: Sequence[dict]) -> list[dict]:
                         f"({_label(low)}, {low['size_bytes'] / 1e6:.1f} MB)")
             out.append({**v, "excess": excess, "stock_kld": k, "note": note,
                         "ratio_vs_stock": None if k is None or k - floor <= 0 else excess / (k - floor)})
+    return out
+
+
+def walks(rows: Sequence[dict]) -> list[dict]:
+    """Per size where both were measured: the compensated knapsack with the "packed" walk against
+    the "fixed" one (the same selection method; only the grid IQ candidates' walk differs)."""
+    floor = float(floor_row(rows)["kld_mean"])
+    fixed = {p["size"]: p for p in curve(rows, "knapsack-gptq")}
+    out = []
+    for p in curve(rows, "knapsack-gptq-packed"):
+        f = fixed.get(p["size"])
+        if f is None:
+            continue
+        out.append({"size": p["size"], "mb": (f["size_bytes"] / 1e6, p["size_bytes"] / 1e6),
+                    "kld": (f["kld_mean"], p["kld_mean"]), "paired": paired(p["chunks"], f["chunks"]),
+                    "excess_ratio": None if f["kld_mean"] <= floor else (p["kld_mean"] - floor) / (f["kld_mean"] - floor)})
     return out
 
 
@@ -293,6 +311,15 @@ def _group(calib: str, text: str, rs: list[dict]) -> list[str]:
             out.append(f"| Voodoo{x['size']} {x['method']} | {x['size_bytes'] / 1e6:.2f} | {x['kld_mean']:.6f} | "
                        f"{_f(x['kld_stderr'], '.6f')} | {x['excess']:.6f} | {_f(x['stock_kld'], '.6f')} | "
                        f"{_f(x['ratio_vs_stock'], '.3f')} | {x['note']} |")
+    w = walks(rs)
+    if w:
+        out += ["", "The compensation walks: the compensated knapsack with the grid IQ steps rounded from a probe "
+                "(packed) against the same knapsack with them quantized at every step (fixed), paired chunk by chunk:", "",
+                "| size | MB fixed / packed | KLD fixed | KLD packed | packed − fixed, paired | excess packed ÷ fixed |",
+                "|---|---:|---:|---:|---:|---:|"]
+        for x in w:
+            out.append(f"| Voodoo{x['size']} | {x['mb'][0]:.2f} / {x['mb'][1]:.2f} | {x['kld'][0]:.6f} | {x['kld'][1]:.6f} | "
+                       f"{_pm(x['paired'])} | {_f(x['excess_ratio'], '.3f')} |")
     f = fair(rs)
     if f:
         out += ["", "The learned stage at more step counts and seeds (excess as a multiple of the compensated "
@@ -378,7 +405,8 @@ def plot(rows: Sequence[dict], out: Path) -> Path:
                 label="stock Pareto frontier")
         for method, color, label, steps in (
                 ("voodoo", "tab:red", "Voodoo: the written file (seed mean)", main_steps(rs)),
-                ("knapsack-gptq", "tab:cyan", "compensated knapsack", None), ("knapsack", "tab:blue", "Fisher knapsack", None)):
+                ("knapsack-gptq", "tab:cyan", "compensated knapsack", None), ("knapsack", "tab:blue", "Fisher knapsack", None),
+                ("knapsack-gptq-packed", "tab:olive", "compensated knapsack, packed walk", None)):
             pts = curve(rs, method, steps)
             if pts:
                 xs = [p["size_bytes"] / 1e6 for p in pts]

@@ -100,6 +100,21 @@ def test_the_knapsacks_alone_are_set_against_the_stock_frontier(rep):
     assert "NOT below every" in got[("knapsack", 20)]["note"]
 
 
+def test_the_two_compensation_walks_are_set_side_by_side_paired(rep):
+    base = [0.05, 0.20, 0.08, 0.30]
+    rows = STOCK + [_row("k30", "knapsack-gptq", 89e6, sum(base) / 4, size=30, chunks=base),
+                    _row("w30", "knapsack-gptq-packed", 88e6, sum(base) / 4 + 0.002, size=30,
+                         chunks=[x + 0.002 + 0.0005 * (i % 2) for i, x in enumerate(base)]),
+                    _row("w40", "knapsack-gptq-packed", 99e6, 0.05, size=40)]
+    (x,) = rep.walks(rows)  # 40 has no fixed-walk file to pair with
+    assert x["size"] == 30 and x["mb"] == (89.0, 88.0)
+    d, se = x["paired"]
+    assert d == pytest.approx(0.00225) and 0 < se < 0.001
+    assert x["excess_ratio"] == pytest.approx((sum(base) / 4 + 0.002 - 0.01) / (sum(base) / 4 - 0.01))
+    assert "| Voodoo30 | 89.00 / 88.00 |" in rep.markdown(rows)
+    assert {k["method"] for k in rep.knapsacks(rows)} == {"knapsack-gptq", "knapsack-gptq-packed"}
+
+
 def test_learned_stage_target_and_flags(rep):
     rows = STOCK + [_row("v35", "voodoo", 95e6, 0.15, size=35, seed=0, steps=50),
                     _row("v40", "voodoo", 99e6, 0.16, size=40, seed=0, steps=50),
@@ -216,6 +231,10 @@ def test_plan_order_and_command_line(tmp_path):
                       "Voodoo30-knapsack-gptq", "Voodoo35-knapsack-gptq", "Voodoo45-knapsack-gptq",
                       "Voodoo30-knapsack", "Voodoo35-knapsack", "Voodoo45-knapsack", "uniform-Q4_K_S",
                       "Voodoo30-s50-seed1", "Voodoo30-s10-seed0"]
+    _, (only, _) = q.parse(["run", "--model", str(tiny_llama_hf_dir), "--sizes", "30", "--fair_sizes", "30",
+                            "--methods", "knapsack-gptq-packed"])
+    (item,) = [i for i in q.plan(only, (30,)) if i.trained]
+    assert item.label == "Voodoo30-knapsack-gptq-packed" and item.variant({}).train["compensation_sweep"] == "packed"
     v = q.Item("knapsack", size=30).variant({"lr": 0.3})
     assert v.train == {"lr": 0.3, "method": "sensitivity", "error_compensation": "none"}
     with pytest.raises(SystemExit, match="--fair_sizes"):

@@ -185,3 +185,21 @@ def test_the_packed_walk_is_within_two_percent_of_the_per_step_one(monkeypatch):
     monkeypatch.setattr(compensate, "PACKED", frozenset({"IQ2_XXS"}))
     packed = _out_err(W, quantize_compensated(W, "IQ2_XXS", imx, Compensation(H, 0.01)), "IQ2_XXS", X)
     assert packed != per_step and packed < 1.02 * per_step, (packed, per_step)
+
+
+@pytest.mark.parametrize("q", ["IQ3_S", "IQ2_S", "IQ2_XXS", "IQ1_S"])
+def test_the_packed_sweep_walks_every_grid_type_with_the_probe(q):
+    """`--compensation_sweep packed`: each grid IQ step (but the row's last) is one probe call, the
+    bytes are libggml-base's for the walked W', and the cache keys it apart from "fixed"."""
+    lib = ggml.lib()
+    W, _, H, imx = _problem(rows=12, n=512, tokens=1024, seed=15)
+    c = Compensation(H, 0.1, "packed")
+    assert c.digest != Compensation(H, 0.1).digest
+    counted = _Counted(lib)
+    m = compensated_matrix(W, q, imx, c, counted)
+    assert counted.calls == 512 // 32 - 1 and counted.weights == counted.calls * 16 * 32
+    assert quantize_compensated(W, q, imx, c) == lib.quantize(m, q, imx)
+    fixed = compensated_matrix(W, q, imx, Compensation(H, 0.1))
+    assert not np.array_equal(m, fixed)
+    # the K-quants and 32-block types walk as in "fixed"
+    assert np.array_equal(compensated_matrix(W, "Q4_K", imx, c), compensated_matrix(W, "Q4_K", imx, Compensation(H, 0.1)))

@@ -30,7 +30,8 @@ is the sweep (:attr:`Compensation.sweep`):
   and the weights' sigma²), so a step is rounded by libggml-base on a probe holding the step's
   columns of 8 rows side by side as one 256-wide row, a call on rows × 32 weights instead of
   rows × 256 (measured 1.008–1.021× the per-step walk's layer objective; 1.007–1.07× for the
-  other grid types, which stay per step; docs/lab/2026-12-05-grid-compensation.md). float32, updates
+  other grid types, which stay per step; docs/lab/2026-12-05-grid-compensation.md). ``"packed"``
+  is this sweep with every grid IQ type (:data:`PACKED_SWEEP`) rounded from the probe. float32, updates
   applied a group at a time; the factor from one Cholesky of the order-reversed H. Cost per
   candidate (``bench/compensation_cost.py``): 1.9–4.0× a plain one for the K-quants and IQ4_XS,
   2.0–2.5× for IQ2_XXS, 9–11× for the other grid IQ types.
@@ -63,7 +64,7 @@ from ..core.errors import QuantizationInputError
 
 ALGORITHM = "gptq-blocks/2"  # the "requant" sweep; /2: whole-superblock steps for WHOLE_SUPERBLOCK (Q5_K)
 FIXED_ALGORITHM = "gptq-fixed/1"  # the "fixed" sweep (:func:`_sweep_fixed`); a PACKED type adds "+pack"
-SWEEPS = ("fixed", "requant")
+SWEEPS = ("fixed", "packed", "requant")
 DEFAULT_SWEEP = "fixed"
 DEFAULT_DAMP = 0.1
 LAZY = 128  # columns of a 32-block type updated together before the rest of the row (one GEMM)
@@ -88,6 +89,8 @@ GRID_PASS_ROUND = False
 # (per step: 9.0-9.8x); IQ2_S 1.016-1.035x, IQ1_S 1.007-1.029x, IQ3_S 1.05-1.07x. None by default
 # until the files' KLD on the benchmark says the ~1-2 % of layer error costs nothing.
 PACKED: frozenset = frozenset()
+# the "packed" sweep: the "fixed" sweep with every grid IQ type's step rounded from the probe
+PACKED_SWEEP = frozenset({"IQ3_S", "IQ2_S", "IQ2_XXS", "IQ1_S"})
 PACK_NORM = "rms"  # a probe row's norm: its superblock's RMS ("max": its largest 32-column RMS; measured)
 
 
@@ -98,7 +101,7 @@ class Compensation:
 
     hessian: np.ndarray
     damp: float = DEFAULT_DAMP
-    sweep: str = DEFAULT_SWEEP  # "fixed" (one quantization per superblock) or "requant" (one per step)
+    sweep: str = DEFAULT_SWEEP  # "fixed", "packed" (the grid IQ steps from a probe) or "requant" (one per step)
     _digest: list = field(default_factory=list, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -140,6 +143,8 @@ class Compensation:
         damping and the Hessian's bytes (computed once): a changed walk never reads old candidates."""
         if not self._digest:
             algo = f"{ALGORITHM}|{','.join(sorted(WHOLE_SUPERBLOCK))}" if self.sweep == "requant" else FIXED_ALGORITHM
+            if self.sweep == "packed":
+                algo += f"|packed={','.join(sorted(PACKED_SWEEP))}:{PACK_NORM}"
             if self.sweep != "requant" and (PACKED or GRID_STEPS is not None or GRID_HOLD or GRID_PASSES):
                 # a measured variant of the walk (bench/compensation_cost.py): never the default's entries
                 algo += f"|pack={','.join(sorted(PACKED))}:{PACK_NORM}|steps={sorted(GRID_STEPS or ())}" \
@@ -235,8 +240,9 @@ def compensated_matrix(matrix: np.ndarray, qtype: str | qt.QType, imatrix: np.nd
         U, dead = comp.factor()
         if U is None:
             return m
-        if comp.sweep == "fixed":  # dead columns: no update reaches them, no error leaves them
-            return np.ascontiguousarray(_sweep_fixed(m, q, imatrix, U, dead, lib, B))
+        if comp.sweep != "requant":  # dead columns: no update reaches them, no error leaves them
+            packed = PACKED_SWEEP if comp.sweep == "packed" else PACKED
+            return np.ascontiguousarray(_sweep_fixed(m, q, imatrix, U, dead, lib, B, packed))
         W = torch.from_numpy(m.astype(np.float64))
         live = torch.from_numpy(~dead)
         step = B if q.name in WHOLE_SUPERBLOCK else min(B, STEP)
@@ -258,7 +264,8 @@ def compensated_matrix(matrix: np.ndarray, qtype: str | qt.QType, imatrix: np.nd
     return np.ascontiguousarray(out)
 
 
-def _sweep_fixed(m: np.ndarray, q: qt.QType, imatrix, U, dead, lib, B: int) -> np.ndarray:
+def _sweep_fixed(m: np.ndarray, q: qt.QType, imatrix, U, dead, lib, B: int,
+                 packed: frozenset = frozenset()) -> np.ndarray:
     """The "fixed" sweep, in float32: W' for `m` with the error of every 32 columns passed on.
 
     A superblock type of :data:`fixed_rounding.SWEEP_TYPES` (the K-quants, IQ4_XS) is quantized
@@ -266,7 +273,7 @@ def _sweep_fixed(m: np.ndarray, q: qt.QType, imatrix, U, dead, lib, B: int) -> n
     libggml's values, each later step is rounded with that quantization's scales held fixed
     (fixed_rounding.py), and W' holds the rounded values: a superblock of values the quantizer's
     scales represent exactly, which libggml-base quantizes back to (nearly) the same values, so
-    the error passed on is the file's. A step of a :data:`PACKED` type is rounded by libggml-base
+    the error passed on is the file's. A step of a `packed` type is rounded by libggml-base
     on a probe of 8 rows' step columns (:func:`_packed_rounding`). Any other type (its block of
     32, or a grid IQ superblock) is quantized by libggml-base at every step, as the "requant"
     sweep does; for these and the packed types W' holds the updated weights, and the row's last
@@ -289,7 +296,7 @@ def _sweep_fixed(m: np.ndarray, q: qt.QType, imatrix, U, dead, lib, B: int) -> n
     steps = GRID_STEPS if grid and GRID_STEPS is not None else None
     hold = fixed or (steps is not None and GRID_HOLD)
     passes = int(GRID_PASSES) if grid else 0
-    pack = grid and q.name in PACKED
+    pack = grid and q.name in packed
     for g0 in range(0, n, group):
         g1 = min(n, g0 + group)
         if passes:

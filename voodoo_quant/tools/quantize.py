@@ -43,6 +43,8 @@ from .ladder_display import LadderDisplay
 from .manifest import Clock, Manifests, digest
 from .variant import Variant
 
+_DEFAULT_SWEEP = TrainConfig.__dataclass_fields__["compensation_sweep"].default
+
 log = logging.getLogger(__name__)
 
 IMATRIX_NAME = "imatrix.gguf"
@@ -330,9 +332,11 @@ class Ladder:
         settings = {k: v for k, v in key_dict(tcfg, OUTPUT).items() if k not in _KEYED_BY_CONTENT}
         inputs = {"teacher": self.keys["make-teacher"], "data": self.keys["data"], "imatrix": self.keys["imatrix"],
                   "train": settings}
-        # One sensitivity table per compensation and seed (its key holds both): variants that
-        # alternate between them do not recompute each other's.
-        home = self.work if variant is None else self.work / "variants" / f"{tcfg.compensation}-seed{tcfg.seed}"
+        # One sensitivity table per compensation (its walk) and seed (its key holds both): variants
+        # that alternate between them do not recompute each other's.
+        comp = tcfg.compensation if tcfg.compensation == "none" or tcfg.compensation_sweep == _DEFAULT_SWEEP \
+            else f"{tcfg.compensation}-{tcfg.compensation_sweep}"
+        home = self.work if variant is None else self.work / "variants" / f"{comp}-seed{tcfg.seed}"
         shared = home / TABLE_NAME
 
         def stale() -> None:  # the old run's journal and outputs were made from other inputs

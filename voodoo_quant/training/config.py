@@ -133,7 +133,7 @@ class TrainConfig:
     compensation_damp: float = setting(0.1, help="Damping of the Hessians: H + λ·mean(diag H)·I.", panel=ADVANCED)
     # the walk's rounding oracle (compensate.py): "fixed" quantizes a superblock once and rounds its
     # later 32-column steps with those scales; "requant" asks the quantizer again at every step
-    compensation_sweep: str = setting("fixed", help="How the compensation walk rounds a 256-weight superblock's 32-column steps: fixed (K-quants and IQ4_XS quantized once when the walk reaches it, later steps rounded with its scales: 2–3× a plain candidate; the grid IQ types quantized again at every step, about 9×) or requant (quantized again at every step: 8–12×). The bytes are the quantizer's either way.", panel=ADVANCED)
+    compensation_sweep: str = setting("fixed", help="How the compensation walk rounds a 256-weight superblock's 32-column steps: fixed (K-quants and IQ4_XS quantized once when the walk reaches it, later steps rounded with its scales: 2–3× a plain candidate; the grid IQ types quantized again at every step, about 9×), packed (as fixed, with each grid IQ step rounded by the quantizer on a probe of 8 rows' 32 columns: 2–3×, 1–7 % more layer error on random problems) or requant (quantized again at every step: 8–12×). The bytes are the quantizer's either way.", panel=ADVANCED)
     stock_references: tuple[str, ...] = setting(STOCK_REFERENCES, help="llama-quantize ftypes the guarantee considers (default: all; the largest three that fit are measured).", panel=ADVANCED, changes=OUTPUT)
 
     @property
