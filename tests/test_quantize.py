@@ -307,6 +307,8 @@ def test_ladder_with_error_compensation_collects_the_hessians_once(tiny_llama_hf
     for size in (60, 75):
         run = out / "work" / "runs" / f"Voodoo{size}"
         assert (run / "hessians.safetensors").read_bytes() == shared  # the second size read the first one's
+        # one copy on disk for the whole ladder: linked, not copied (~10 GB a size at 1.5B)
+        assert (run / "hessians.safetensors").stat().st_ino == (out / "work" / "hessians.safetensors").stat().st_ino
         rec = Assignment.load(run / "assignment.json").compensation
         assert rec["method"] == "gptq" and rec["hessians"] == str((run / "hessians.safetensors").resolve())
         kv = converter.vendored_gguf().GGUFReader(res.files[size]).fields

@@ -155,6 +155,30 @@ def copy_file(source: str | os.PathLike, target: str | os.PathLike, *, overwrite
     return write_with(target, lambda tmp: shutil.copyfile(source, tmp), overwrite=overwrite)
 
 
+def link_or_copy(source: str | os.PathLike, target: str | os.PathLike) -> Path:
+    """Give `target` the contents of `source` without a second copy on disk where the file system
+    allows: a hard link, made under a temporary name and renamed over `target` (atomic). Where it
+    does not (another file system, or one without hard links), a streamed copy, as atomic.
+
+    Safe because this module never writes a file in place: every write renames a new file over
+    the old path, so a later write to either name leaves the other's contents as they were."""
+    source, target = Path(source), Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".{target.name}.{os.getpid()}.link{TMP_SUFFIX}"
+    try:
+        tmp.unlink(missing_ok=True)
+        os.link(source, tmp)
+    except OSError:  # EXDEV, EPERM, ENOTSUP...: no hard link here
+        tmp.unlink(missing_ok=True)
+        return copy_file(source, target)
+    try:
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return target
+
+
 def torch_save(target: str | os.PathLike, obj: Any, *, overwrite: bool = True) -> Path:
     import torch
 

@@ -344,9 +344,12 @@ class Ladder:
                 (run / f).unlink(missing_ok=True)
 
         def body() -> None:
-            for src in (shared, self.work / HESSIANS_FILE):  # made once for the ladder; the trainer checks each key
-                if src.is_file() and not (run / src.name).is_file():
-                    fileio.copy_file(src, run / src.name)
+            # made once for the ladder; the trainer checks each key. The Hessians are linked, not
+            # copied: at 1.5B they are ~10 GB, one more for every size of the ladder otherwise.
+            if shared.is_file() and not (run / shared.name).is_file():
+                fileio.copy_file(shared, run / shared.name)
+            if (self.work / HESSIANS_FILE).is_file() and not (run / HESSIANS_FILE).is_file():
+                fileio.link_or_copy(self.work / HESSIANS_FILE, run / HESSIANS_FILE)
             _, cache = run_training(tcfg, self.ui.advance,
                                     self._teacher_cache_dir() if self.cfg.share_teacher_forward else None)
             if cache is not None:
@@ -355,7 +358,7 @@ class Ladder:
             if (run / TABLE_NAME).is_file():  # also when this size extended its curvature to more rungs
                 fileio.write_bytes(shared, (run / TABLE_NAME).read_bytes())
             if (run / HESSIANS_FILE).is_file() and not (self.work / HESSIANS_FILE).is_file():
-                fileio.copy_file(run / HESSIANS_FILE, self.work / HESSIANS_FILE)
+                fileio.link_or_copy(run / HESSIANS_FILE, self.work / HESSIANS_FILE)
 
         self.step(f"train-{name}", inputs, lambda: [run / "assignment.json", run / "tensor-types.txt"], body,
                   total=tcfg.max_steps, on_stale=stale)
