@@ -1,77 +1,253 @@
-"""The layer objective of the two compensation sweeps on a real model's tensors, side by side.
+"""Compensation on a real model's tensors: each sweep's cost and layer objective, side by side.
 
-For SmolLM2-135M (the folder a `voodoo quantize` run writes: work/hf/, imatrix.gguf, and the
-Hessians of its compensated training run), each listed tensor at three depths is quantized plain,
-compensated with the "requant" sweep (the quantizer again at every 32-column step) and with the
-"fixed" sweep (a superblock quantized once, later steps rounded with its scales). Printed: the
-layer-output error of the file's bytes, tr(E H Eᵀ) / tr(W H Wᵀ) with E = W − Ŵ, and fixed ÷ requant.
+For the listed tensors of a few decoder layers of a float HF checkpoint, the layer-input Hessian
+H = Σ xᵀx and the imatrix vector (mean x² per input column, what ``llama-imatrix`` accumulates)
+are collected on calibration text: the quality benchmark's (bench/quality_texts.py, its held-out
+files never read), or any ``.jsonl`` of text records. Each type is then built plain
+(libggml-base's quantization of W with that vector) and compensated with each sweep
+(``candidates/compensate.py``: "fixed", the default; "packed", every grid IQ step rounded from
+a probe; "requant", the quantizer again at every step), all on one thread, one after another on
+the same matrices. Printed, as Markdown:
 
-    .venv/bin/python bench/compensation_objective.py --run out --hessians out/work/runs/Voodoo60/hessians.safetensors
+- per tensor and type: seconds, ÷ plain, and the layer objective tr(E H Eᵀ) / tr(W H Wᵀ) with
+  E = W − Ŵ and Ŵ dequantized from the candidate's bytes; each later sweep's objective ÷ the
+  first compensated sweep's;
+- per menu: seconds per 1e9 weights per core, summed over the menu's types and every tensor,
+  and ÷ plain. The factor of H is computed once per layer input and shared by the types and the
+  tensors reading that input; it is timed apart and counted once per input in the menu rows.
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/compensation_objective.py \\
+        --hf ~/.cache/voodoo_quant/bench-models/qwen2.5-coder-1.5b-instruct/hf-degrid0-b16 \\
+        --layers 1,13,26 --sweeps fixed,packed --out objective.json
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+from voodoo_quant.candidates import compensate  # noqa: E402
 from voodoo_quant.core import ggml  # noqa: E402
-from voodoo_quant.candidates.compensate import Compensation, compensated_matrix  # noqa: E402
-from voodoo_quant.candidates.hessian_store import load_hessians  # noqa: E402
-from voodoo_quant.gguf.imatrix import load as load_imatrix  # noqa: E402
+from voodoo_quant.selection.menus import DEFAULT_CANDIDATES  # noqa: E402
 
-WIDE = ("Q6_K", "Q5_K", "Q4_K", "Q3_K", "Q2_K", "IQ4_XS", "Q8_0", "Q5_0")  # ffn_down: 1536-wide rows
-NARROW = ("Q8_0", "Q5_0", "Q4_0", "IQ4_NL")  # 576-wide rows: what the fallbacks leave
+# the product's default menu and the reference recipe's two (attention; the rest)
+MENUS = {"default": DEFAULT_CANDIDATES,
+         "recipe attention": ("Q5_K", "IQ3_S", "IQ2_S", "IQ2_XXS"),
+         "recipe other": ("IQ4_XS", "IQ3_S", "IQ2_S", "IQ2_XXS", "IQ1_S")}
+# tensor → the module whose input it reads (tensors reading one input share its Hessian and factor)
+TENSORS = {"q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
+           "o_proj": "self_attn.o_proj", "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
+           "down_proj": "mlp.down_proj"}
+INPUT = {"q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", "o_proj": "o_in",
+         "gate_proj": "mlp_in", "up_proj": "mlp_in", "down_proj": "down_in"}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--run", required=True, help="a voodoo quantize output folder (work/hf/, imatrix.gguf)")
-    ap.add_argument("--hessians", required=True)
-    ap.add_argument("--layers", default="3,15,27")
-    a = ap.parse_args()
+class _Enough(Exception):
+    """Raised by a hook once the deepest layer asked for has run: the rest of the model is not needed."""
+
+
+def calibration_tokens(tokenizer, jsonl: Path | None, sequences: int, seq_len: int):
+    """`sequences` × `seq_len` tokens from the records of `jsonl` (default: the quality benchmark's
+    plays+python calibration text), concatenated in order and cut."""
     import torch
-    from safetensors.numpy import load_file
+
+    if jsonl is None:
+        import quality_texts as qtx
+
+        out = Path(tempfile.mkdtemp(prefix="voodoo-objective-"))
+        jsonl = qtx.build_texts({d: qtx.domain(d) for d in qtx.DOMAINS}, qtx.DOMAINS, out).calib
+    ids: list[int] = []
+    for line in jsonl.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            ids += tokenizer(json.loads(line)["text"], add_special_tokens=False)["input_ids"]
+            if len(ids) >= sequences * seq_len:
+                break
+    if len(ids) < sequences * seq_len:
+        raise SystemExit(f"{jsonl}: {len(ids)} tokens, {sequences} × {seq_len} asked")
+    return torch.tensor(ids[:sequences * seq_len]).view(sequences, seq_len)
+
+
+def collect(model, layers: list[int], tokens, batch: int) -> dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]:
+    """(layer, input) → (H float32 n × n, imatrix vector: mean x² per column), from one forward
+    pass of `tokens` stopped after the deepest layer asked for."""
+    import torch
+
+    acc: dict[tuple[int, str], torch.Tensor] = {}
+    count: dict[tuple[int, str], int] = {}
+    hooks = []
+    blocks = model.model.layers
+    for L in layers:
+        for tensor, module in (("q_proj", "self_attn.q_proj"), ("o_proj", "self_attn.o_proj"),
+                               ("gate_proj", "mlp.gate_proj"), ("down_proj", "mlp.down_proj")):
+            key = (L, INPUT[tensor])
+
+            def hook(_m, args, key=key):
+                x = args[0].detach().reshape(-1, args[0].shape[-1]).to(torch.float64)
+                acc[key] = acc.get(key, 0) + x.T @ x
+                count[key] = count.get(key, 0) + x.shape[0]
+
+            hooks.append(blocks[L].get_submodule(module).register_forward_pre_hook(hook))
+
+    def stop(*_):
+        raise _Enough
+
+    hooks.append(blocks[max(layers)].register_forward_hook(stop))
+    try:
+        with torch.no_grad():
+            for i in range(0, tokens.shape[0], batch):
+                try:
+                    model.model(input_ids=tokens[i:i + batch])
+                except _Enough:
+                    pass
+    finally:
+        for h in hooks:
+            h.remove()
+    return {k: (v.to(torch.float32).numpy(), (torch.diagonal(v) / count[k]).to(torch.float32).numpy())
+            for k, v in acc.items()}
+
+
+def objective(W, Wq, H) -> float:
+    """tr(E H Eᵀ) / tr(W H Wᵀ), E = W − Wq (products in float32, sums in float64)."""
+    import torch
+
+    Ht, Wt = torch.from_numpy(H), torch.from_numpy(W)
+    E = Wt - torch.from_numpy(np.ascontiguousarray(Wq, dtype=np.float32))
+    return float(((E @ Ht) * E).double().sum() / ((Wt @ Ht) * Wt).double().sum())
+
+
+def timed(fn):
+    t = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--hf", type=Path, required=True, help="a float HF checkpoint (a Llama/Qwen-style decoder)")
+    ap.add_argument("--calib", type=Path, default=None, help=".jsonl of {\"text\": ...} records "
+                    "(default: the quality benchmark's plays+python calibration text)")
+    ap.add_argument("--sequences", type=int, default=32)
+    ap.add_argument("--seq_len", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--layers", default="1,13,26")
+    ap.add_argument("--tensors", default="q_proj,k_proj,o_proj,gate_proj,down_proj", help=f"of {','.join(TENSORS)}")
+    ap.add_argument("--types", default=None, help="default: every type of the menus")
+    ap.add_argument("--sweeps", default="fixed,packed", help=f"of {','.join(compensate.SWEEPS)}")
+    ap.add_argument("--damp", type=float, default=compensate.DEFAULT_DAMP)
+    ap.add_argument("--out", type=Path, default=None, help="write every measurement here (JSON)")
+    a = ap.parse_args(argv)
+    layers = [int(x) for x in a.layers.split(",")]
+    tensors = a.tensors.split(",")
+    sweeps = a.sweeps.split(",")
+    types = a.types.split(",") if a.types else list(dict.fromkeys(t for m in MENUS.values() for t in m))
+    for s in sweeps:
+        if s not in compensate.SWEEPS:
+            raise SystemExit(f"--sweeps: {s!r} is not one of {', '.join(compensate.SWEEPS)}")
+
+    t0 = time.perf_counter()
+    tok = AutoTokenizer.from_pretrained(a.hf)
+    model = AutoModelForCausalLM.from_pretrained(a.hf, dtype=torch.float32).eval()
+    tokens = calibration_tokens(tok, a.calib, a.sequences, a.seq_len)
+    print(f"# model loaded; {tokens.numel()} calibration tokens; collecting the Hessians of layers {layers}", flush=True)
+    stats = collect(model, layers, tokens, a.batch)
+    weights = {(L, t): model.model.layers[L].get_submodule(TENSORS[t]).weight.detach().numpy().copy()
+               for L in layers for t in tensors}
+    del model
+    print(f"# collected in {time.perf_counter() - t0:.0f} s (load included)", flush=True)
 
     torch.set_num_threads(1)
-    run = Path(a.run)
-    hf = next((run / "work" / "hf").iterdir())
-    weights = load_file(str(hf / "model.safetensors"))
-    hs = load_hessians(a.hessians)
-    imx = load_imatrix(run / "imatrix.gguf")
     lib = ggml.lib()
-    print(f"{'tensor':34} {'type':7} {'plain':>9} {'requant':>9} {'fixed':>9} {'fixed/requant':>13}")
-    ratios: dict[str, list[float]] = {}
-    # attn_q is stored with its rows permuted for llama.cpp's rope; rows are quantized independently
-    # and H acts on columns, so the HF layout gives the same objective
-    for layer in (int(x) for x in a.layers.split(",")):
-        for hf_name, gguf, types in ((f"model.layers.{layer}.mlp.down_proj.weight", f"blk.{layer}.ffn_down.weight", WIDE),
-                                     (f"model.layers.{layer}.self_attn.q_proj.weight", f"blk.{layer}.attn_q.weight", NARROW)):
-            W = np.ascontiguousarray(weights[hf_name], dtype=np.float32)
-            H = np.asarray(hs[hf_name], dtype=np.float32)
-            H64 = H.astype(np.float64)
-            vec = imx.get_vector(gguf, W.shape[1])
-            denom = float(np.sum((W.astype(np.float64) @ H64) * W))
-
-            def err(m: np.ndarray, q: str) -> float:
-                deq = lib.dequantize(lib.quantize(m, q, vec, name="bench", workers=1), q, m.shape, name="bench")
-                e = (W - deq).astype(np.float64)
-                return float(np.sum((e @ H64) * e)) / denom
-
-            comps = {sw: Compensation(H, sweep=sw) for sw in ("requant", "fixed")}
+    for q in types:  # the first call of a grid IQ type builds its tables: not part of any candidate's time
+        lib.quantize(np.zeros((1, 256), dtype=np.float32) + 0.01, q, np.ones(256, dtype=np.float32), workers=1)
+    # every sweep's factor of a layer input kept while its tensors are built (the product builds a
+    # tensor's types with one sweep, so one factor at a time would be kept there)
+    compensate.FACTOR_CACHE_BYTES = 4 << 30
+    rows: list[dict] = []
+    factor_s: dict[tuple[int, str, str], float] = {}
+    print(f"\n| tensor | shape | type | plain s | plain obj | "
+          + " | ".join(f"{s} s | ÷ plain | {s} obj" for s in sweeps)
+          + (f" | {sweeps[1]} obj ÷ {sweeps[0]}" if len(sweeps) > 1 else "") + " |", flush=True)
+    print("|---|---|---|---:|---:|" + "---:|---:|---:|" * len(sweeps) + ("---:|" if len(sweeps) > 1 else ""))
+    for L in layers:
+        comps: dict[tuple[str, str], compensate.Compensation] = {}
+        for t in tensors:
+            W = weights[(L, t)]
+            H, vec = stats[(L, INPUT[t])]
+            for s in sweeps:
+                key = (INPUT[t], s)
+                if key not in comps:  # one factor per input and sweep, timed once
+                    comps[key] = compensate.Compensation(H, a.damp, s)
+                    _, secs = timed(comps[key].factor)
+                    factor_s[(L, INPUT[t], s)] = secs
             for q in types:
-                p = err(W, q)
-                r = err(compensated_matrix(W, q, vec, comps["requant"]), q)
-                f = err(compensated_matrix(W, q, vec, comps["fixed"]), q)
-                ratios.setdefault(q, []).append(f / r)
-                print(f"{hf_name:34} {q:7} {p:9.6f} {r:9.6f} {f:9.6f} {f / r:13.3f}", flush=True)
-    print("fixed / requant per type (min–max over tensors): " + ", ".join(
-        f"{q} {min(v):.3f}–{max(v):.3f}" for q, v in ratios.items()))
+                if W.shape[1] % lib.block_size(q):
+                    continue
+                row = {"layer": L, "tensor": t, "rows": W.shape[0], "cols": W.shape[1], "type": q}
+                data, row["plain_s"] = timed(lambda: lib.quantize(W, q, vec, name=t, workers=1))
+                row["plain_obj"] = objective(W, lib.dequantize(data, q, W.shape, name=t), H)
+                for s in sweeps:
+                    comp = comps[(INPUT[t], s)]
+                    data, secs = timed(lambda: compensate.quantize_compensated(W, q, vec, comp, lib=lib, name=t))
+                    row[f"{s}_s"] = secs
+                    row[f"{s}_obj"] = objective(W, lib.dequantize(data, q, W.shape, name=t), H)
+                rows.append(row)
+                cells = " | ".join(f"{row[f'{s}_s']:.2f} | {row[f'{s}_s'] / row['plain_s']:.2f} | {row[f'{s}_obj']:.5f}"
+                                   for s in sweeps)
+                extra = f" | {row[f'{sweeps[1]}_obj'] / row[f'{sweeps[0]}_obj']:.4f}" if len(sweeps) > 1 else ""
+                print(f"| {L}.{t} | {W.shape[0]}×{W.shape[1]} | {q} | {row['plain_s']:.2f} | {row['plain_obj']:.5f} | "
+                      f"{cells}{extra} |", flush=True)
+        compensate.release_factors()
+
+    print("\nFactors (s, one per layer input and sweep): "
+          + ", ".join(f"{L}.{i} {s} {v:.2f}" for (L, i, s), v in factor_s.items()))
+    print(f"\n| menu | plain s/1e9w | " + " | ".join(f"{s} s/1e9w | ÷ plain | factor share" for s in sweeps)
+          + (f" | {sweeps[1]} obj ÷ {sweeps[0]}, summed over tensors" if len(sweeps) > 1 else "") + " |")
+    print("|---|---:|" + "---:|---:|---:|" * len(sweeps) + ("---:|" if len(sweeps) > 1 else ""))
+    menus = dict(MENUS, **({"asked": tuple(types)} if a.types else {}))
+    summary = {}
+    for name, menu in menus.items():
+        sel = [r for r in rows if r["type"] in menu]
+        if not sel or any(q not in types for q in menu):
+            continue
+        weights_n = sum(r["rows"] * r["cols"] for r in {(r["layer"], r["tensor"]): r for r in sel}.values())
+        inputs = {(r["layer"], INPUT[r["tensor"]]) for r in sel}
+        plain = sum(r["plain_s"] for r in sel) / weights_n * 1e9
+        line, m = f"| {name} | {plain:.0f} |", {"plain_s_per_1e9w": plain}
+        for s in sweeps:
+            fac = sum(factor_s[(L, i, s)] for L, i in inputs) / weights_n * 1e9
+            comp_s = sum(r[f"{s}_s"] for r in sel) / weights_n * 1e9 + fac
+            line += f" {comp_s:.0f} | {comp_s / plain:.2f} | {fac / comp_s:.2f} |"
+            m[f"{s}_s_per_1e9w"], m[f"{s}_ratio"] = comp_s, comp_s / plain
+        if len(sweeps) > 1:
+            ratios = [r[f"{sweeps[1]}_obj"] / r[f"{sweeps[0]}_obj"] for r in sel]
+            summed = sum(r[f"{sweeps[1]}_obj"] for r in sel) / sum(r[f"{sweeps[0]}_obj"] for r in sel)
+            line += f" {summed:.4f} (per tensor {min(ratios):.4f}–{max(ratios):.4f}) |"
+            m["objective_ratio"], m["objective_ratio_range"] = summed, [min(ratios), max(ratios)]
+        summary[name] = m
+        print(line)
+    if a.out:
+        from voodoo_quant.core import fileio
+
+        fileio.write_text(a.out, json.dumps({"argv": sys.argv[1:], "rows": rows, "menus": summary,
+                                             "factors": [[L, i, s, v] for (L, i, s), v in factor_s.items()]}, indent=1))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
