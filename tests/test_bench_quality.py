@@ -345,3 +345,19 @@ def test_a_variant_overrides_train_settings_but_not_the_ladders():
         Variant("x", {"nope": 1})
     with pytest.raises(ConfigError, match="letters, digits"):
         Variant("a/b")
+
+
+def test_compare_pairs_the_same_file_of_two_variants_chunk_by_chunk():
+    cmp = _bench("quality_compare")
+    a = [_row("k55", "knapsack", 80e6, 0.20, size=55, chunks=[0.1, 0.3, 0.2]),
+         _row("q8", "stock", 145e6, 0.01, recipe="Q8_0", chunks=[0.01, 0.01, 0.01]),
+         _row("k65", "knapsack", 90e6, 0.10, size=65, chunks=[0.1, 0.1, 0.1])]
+    b = [_row("k55", "knapsack", 80e6, 0.15, size=55, chunks=[0.05, 0.25, 0.15]),
+         _row("q8", "stock", 145e6, 0.01, recipe="Q8_0", chunks=[0.01, 0.01, 0.01])]
+    out = cmp.compare(a, b)
+    assert [e["label"] for e in out] == ["Voodoo55 knapsack", "stock Q8_0"]  # k65: in A only
+    assert out[0]["paired"][0] == pytest.approx(-0.05) and out[0]["paired"][1] == pytest.approx(0.0)
+    assert "-0.05000 ± 0.00000" in cmp.markdown(out, "A", "B")
+    b[0]["config"] = {"eval": {"sha256": "other", "ctx": 512, "chunks": 3}}
+    with pytest.raises(SystemExit, match="different eval texts"):
+        cmp.compare(a, b)
