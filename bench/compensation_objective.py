@@ -128,6 +128,38 @@ def objective(W, Wq, H) -> float:
     return float(((E @ Ht) * E).double().sum() / ((Wt @ Ht) * Wt).double().sum())
 
 
+DEFAULT_NORM = compensate.PACK_NORM
+VARIANTS = ("packed-max",)  # the packed probe's measured normalizations (compensate.PACK_NORM)
+
+
+def base(sweep: str) -> tuple[str, str]:
+    """(the product's sweep, compensate.PACK_NORM) of a sweep name or a measured variant."""
+    return (sweep.split("-")[0], sweep.split("-")[1]) if sweep in VARIANTS else (sweep, DEFAULT_NORM)
+
+
+def probe_rounding(W, q: str, vec, H, lib) -> dict:
+    """The packed probe as a rounding oracle, with no walk: every 32-column step of W rounded by
+    the probe (rows divided by their superblock's RMS, as the walk does) against libggml-base's
+    quantization of W itself (the file's rounding). The imatrix-weighted error and the layer
+    objective of the probe's rounding ÷ the file's, and the fraction of values that differ."""
+    import torch
+
+    Wt, rows = torch.from_numpy(W), W.shape[0]
+    qq = compensate.qt.get(q)
+    B = lib.block_size(qq)
+    full = lib.dequantize(lib.quantize(W, q, vec, workers=1), q, W.shape)
+    P = np.empty_like(W)
+    for s0 in range(0, W.shape[1], compensate.STEP):
+        b0 = (s0 // B) * B
+        c = Wt[:, b0:b0 + B].square().mean(1, keepdim=True).sqrt()
+        c = torch.where(c > 0, c, torch.ones_like(c))
+        x = Wt[:, s0:s0 + compensate.STEP] / c
+        P[:, s0:s0 + compensate.STEP] = (compensate._packed_rounding(x, qq, vec[s0:s0 + compensate.STEP], lib, B) * c).numpy()
+    err = lambda R: float((((W - R) ** 2) * vec[None, :]).sum())  # noqa: E731
+    return {"weighted_err_ratio": err(P) / err(full), "objective_ratio": objective(W, P, H) / objective(W, full, H),
+            "differing": float((P != full).mean())}
+
+
 def timed(fn):
     t = time.perf_counter()
     out = fn()
@@ -148,8 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", default="1,13,26")
     ap.add_argument("--tensors", default="q_proj,k_proj,o_proj,gate_proj,down_proj", help=f"of {','.join(TENSORS)}")
     ap.add_argument("--types", default=None, help="default: every type of the menus")
-    ap.add_argument("--sweeps", default="fixed,packed", help=f"of {','.join(compensate.SWEEPS)}")
+    ap.add_argument("--sweeps", default="fixed,packed", help=f"of {','.join(compensate.SWEEPS + VARIANTS)}")
     ap.add_argument("--damp", type=float, default=compensate.DEFAULT_DAMP)
+    ap.add_argument("--probe_rounding", action="store_true", help="also: the packed probe's rounding of W "
+                    "itself (no walk) against the file's, per grid IQ type")
     ap.add_argument("--out", type=Path, default=None, help="write every measurement here (JSON)")
     a = ap.parse_args(argv)
     layers = [int(x) for x in a.layers.split(",")]
@@ -157,8 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     sweeps = a.sweeps.split(",")
     types = a.types.split(",") if a.types else list(dict.fromkeys(t for m in MENUS.values() for t in m))
     for s in sweeps:
-        if s not in compensate.SWEEPS:
-            raise SystemExit(f"--sweeps: {s!r} is not one of {', '.join(compensate.SWEEPS)}")
+        if base(s)[0] not in compensate.SWEEPS:
+            raise SystemExit(f"--sweeps: {s!r} is not one of {', '.join(compensate.SWEEPS + VARIANTS)}")
 
     t0 = time.perf_counter()
     tok = AutoTokenizer.from_pretrained(a.hf)
@@ -182,8 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     factor_s: dict[tuple[int, str, str], float] = {}
     print(f"\n| tensor | shape | type | plain s | plain obj | "
           + " | ".join(f"{s} s | ÷ plain | {s} obj" for s in sweeps)
-          + (f" | {sweeps[1]} obj ÷ {sweeps[0]}" if len(sweeps) > 1 else "") + " |", flush=True)
-    print("|---|---|---|---:|---:|" + "---:|---:|---:|" * len(sweeps) + ("---:|" if len(sweeps) > 1 else ""))
+          + "".join(f" | {s} obj ÷ {sweeps[0]}" for s in sweeps[1:]) + " |", flush=True)
+    print("|---|---|---|---:|---:|" + "---:|---:|---:|" * len(sweeps) + "---:|" * (len(sweeps) - 1))
     for L in layers:
         comps: dict[tuple[str, str], compensate.Compensation] = {}
         for t in tensors:
@@ -192,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
             for s in sweeps:
                 key = (INPUT[t], s)
                 if key not in comps:  # one factor per input and sweep, timed once
-                    comps[key] = compensate.Compensation(H, a.damp, s)
+                    compensate.PACK_NORM = base(s)[1]
+                    comps[key] = compensate.Compensation(H, a.damp, base(s)[0])
                     _, secs = timed(comps[key].factor)
                     factor_s[(L, INPUT[t], s)] = secs
             for q in types:
@@ -203,13 +238,19 @@ def main(argv: list[str] | None = None) -> int:
                 row["plain_obj"] = objective(W, lib.dequantize(data, q, W.shape, name=t), H)
                 for s in sweeps:
                     comp = comps[(INPUT[t], s)]
+                    compensate.PACK_NORM = base(s)[1]
                     data, secs = timed(lambda: compensate.quantize_compensated(W, q, vec, comp, lib=lib, name=t))
                     row[f"{s}_s"] = secs
                     row[f"{s}_obj"] = objective(W, lib.dequantize(data, q, W.shape, name=t), H)
+                if a.probe_rounding and q in compensate.PACKED_SWEEP:
+                    row["probe"] = probe_rounding(W, q, vec, H, lib)
+                    print(f"# {L}.{t} {q}: the probe's rounding of W (no walk) ÷ the file's: imatrix-weighted error "
+                          f"{row['probe']['weighted_err_ratio']:.4f}, layer objective {row['probe']['objective_ratio']:.4f}; "
+                          f"values differing {row['probe']['differing']:.3f}", flush=True)
                 rows.append(row)
                 cells = " | ".join(f"{row[f'{s}_s']:.2f} | {row[f'{s}_s'] / row['plain_s']:.2f} | {row[f'{s}_obj']:.5f}"
                                    for s in sweeps)
-                extra = f" | {row[f'{sweeps[1]}_obj'] / row[f'{sweeps[0]}_obj']:.4f}" if len(sweeps) > 1 else ""
+                extra = "".join(f" | {row[f'{s}_obj'] / row[f'{sweeps[0]}_obj']:.4f}" for s in sweeps[1:])
                 print(f"| {L}.{t} | {W.shape[0]}×{W.shape[1]} | {q} | {row['plain_s']:.2f} | {row['plain_obj']:.5f} | "
                       f"{cells}{extra} |", flush=True)
         compensate.release_factors()
@@ -217,8 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\nFactors (s, one per layer input and sweep): "
           + ", ".join(f"{L}.{i} {s} {v:.2f}" for (L, i, s), v in factor_s.items()))
     print(f"\n| menu | plain s/1e9w | " + " | ".join(f"{s} s/1e9w | ÷ plain | factor share" for s in sweeps)
-          + (f" | {sweeps[1]} obj ÷ {sweeps[0]}, summed over tensors" if len(sweeps) > 1 else "") + " |")
-    print("|---|---:|" + "---:|---:|---:|" * len(sweeps) + ("---:|" if len(sweeps) > 1 else ""))
+          + "".join(f" | {s} obj ÷ {sweeps[0]}, summed over tensors" for s in sweeps[1:]) + " |")
+    print("|---|---:|" + "---:|---:|---:|" * len(sweeps) + "---:|" * (len(sweeps) - 1))
     menus = dict(MENUS, **({"asked": tuple(types)} if a.types else {}))
     summary = {}
     for name, menu in menus.items():
@@ -234,11 +275,11 @@ def main(argv: list[str] | None = None) -> int:
             comp_s = sum(r[f"{s}_s"] for r in sel) / weights_n * 1e9 + fac
             line += f" {comp_s:.0f} | {comp_s / plain:.2f} | {fac / comp_s:.2f} |"
             m[f"{s}_s_per_1e9w"], m[f"{s}_ratio"] = comp_s, comp_s / plain
-        if len(sweeps) > 1:
-            ratios = [r[f"{sweeps[1]}_obj"] / r[f"{sweeps[0]}_obj"] for r in sel]
-            summed = sum(r[f"{sweeps[1]}_obj"] for r in sel) / sum(r[f"{sweeps[0]}_obj"] for r in sel)
+        for s in sweeps[1:]:
+            ratios = [r[f"{s}_obj"] / r[f"{sweeps[0]}_obj"] for r in sel]
+            summed = sum(r[f"{s}_obj"] for r in sel) / sum(r[f"{sweeps[0]}_obj"] for r in sel)
             line += f" {summed:.4f} (per tensor {min(ratios):.4f}–{max(ratios):.4f}) |"
-            m["objective_ratio"], m["objective_ratio_range"] = summed, [min(ratios), max(ratios)]
+            m[f"{s}_objective_ratio"], m[f"{s}_objective_ratio_range"] = summed, [min(ratios), max(ratios)]
         summary[name] = m
         print(line)
     if a.out:
