@@ -335,24 +335,30 @@ def _group(calib: str, text: str, rs: list[dict]) -> list[str]:
 
 
 def _transfer(rows: Sequence[dict]) -> list[str]:
-    """The written file's excess against the stock frontier of the same calibration, per eval text:
-    how much of the gain over stock travels to the domain the calibration did not see."""
+    """Each file's excess (the written file's, each knapsack's) against the stock frontier of the
+    same calibration, per eval text: how much of the gain over stock travels to the domain the
+    calibration did not see."""
     by = groups(rows)
     if len({c for c, _ in by}) < 2:
         return []
     texts = sorted({t for _, t in by})
-    out = ["## Transfer: the written file's excess as a multiple of the stock frontier's", "",
-           "| calibration | size | " + " | ".join(f"on {t}" for t in texts) + " |",
+    out = ["## Transfer: each file's excess as a multiple of the stock frontier's", "",
+           "| calibration | file | " + " | ".join(f"on {t}" for t in texts) + " |",
            "|---|---|" + "---:|" * len(texts)]
     for calib in dict.fromkeys(c for c, _ in by):
-        per = {}
+        per: dict[str, dict[tuple[str, Any], float | None]] = {}
         for t in texts:
+            per[t] = {}
+            rs = by.get((calib, t), [])
             try:
-                per[t] = {x["size"]: x["ratio_vs_stock"] for x in targets(by.get((calib, t), []))["sizes"]}
+                per[t].update({("voodoo", x["size"]): x["ratio_vs_stock"] for x in targets(rs)["sizes"]})
+                per[t].update({(x["method"], x["size"]): x["ratio_vs_stock"] for x in knapsacks(rs)})
             except ValueError:
-                per[t] = {}
-        for size in sorted({s for d in per.values() for s in d}):
-            out.append(f"| {calib} | Voodoo{size} | " + " | ".join(_f(per[t].get(size), ".3f") for t in texts) + " |")
+                pass
+        order = ("voodoo",) + KNAPSACKS
+        for m, size in sorted({k for d in per.values() for k in d}, key=lambda k: (order.index(k[0]), k[1])):
+            name = "Voodoo" + str(size) + ("" if m == "voodoo" else f" {m}")
+            out.append(f"| {calib} | {name} | " + " | ".join(_f(per[t].get((m, size)), ".3f") for t in texts) + " |")
     return out + [""]
 
 

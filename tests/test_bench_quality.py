@@ -154,6 +154,7 @@ def test_report_renders_groups_transfer_and_costs(rep, tmp_path):
         for text in ("plays", "python"):
             rows += [{**r, "calib": calib, "text": text, "digest": f"{r['name']}-{calib}-{text}"} for r in STOCK]
             rows.append(_row("v35", "voodoo", 95e6, vk, size=35, seed=0, steps=50, text=text, calib=calib))
+            rows.append(_row("k35", "knapsack", 95e6, 2 * vk, size=35, text=text, calib=calib))
     rows[0] = {**rows[0], "command": ".venv/bin/python bench/quality.py run --max_minutes 150",
                "date": "2026-12-06T00:00:00+00:00"}
     costs = [{"step": "imatrix", "item": None, "seconds": 12.5, "peak_rss_mb": {"self": 900.0, "children": 10.0},
@@ -165,6 +166,7 @@ def test_report_renders_groups_transfer_and_costs(rep, tmp_path):
     transfer = md.split("## Transfer")[1].split("##")[0]
     stock_excess = math.sqrt(0.20 * 0.05) - 0.01
     assert f"| python | Voodoo35 | {0.05 / stock_excess:.3f} | {0.05 / stock_excess:.3f} |" in transfer
+    assert f"| python | Voodoo35 knapsack | {0.11 / stock_excess:.3f} | {0.11 / stock_excess:.3f} |" in transfer
     assert "| imatrix |  | 12.5 | 900 | 10 |" in md
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # a row measured again (same digest) replaces the earlier one
