@@ -34,7 +34,8 @@ is the sweep (:attr:`Compensation.sweep`):
   is this sweep with every grid IQ type (:data:`PACKED_SWEEP`) rounded from the probe. float32, updates
   applied a group at a time; the factor from one Cholesky of the order-reversed H. Cost per
   candidate (``bench/compensation_cost.py``): 1.9–4.0× a plain one for the K-quants and IQ4_XS,
-  2.0–2.5× for IQ2_XXS, 9–11× for the other grid IQ types.
+  9–11× for the grid IQ types (packed: 2.1–2.5×); the default menu on a real model's tensors 8.8×
+  (packed 2.7×; ``bench/compensation_objective.py``).
 - ``"requant"`` (the walk of assignments made before the sweep was a choice): the superblock is
   quantized again after each of its sub-blocks, float64; except for the types of
   :data:`WHOLE_SUPERBLOCK`, whose superblock is one step (their sub-block scales are coded against
@@ -89,7 +90,11 @@ GRID_PASS_ROUND = False
 # (per step: 9.0-9.8x); IQ2_S 1.016-1.035x, IQ1_S 1.007-1.029x, IQ3_S 1.05-1.07x. None by default
 # until the files' KLD on the benchmark says the ~1-2 % of layer error costs nothing.
 PACKED: frozenset = frozenset()
-# the "packed" sweep: the "fixed" sweep with every grid IQ type's step rounded from the probe
+# the "packed" sweep: the "fixed" sweep with every grid IQ type's step rounded from the probe. On
+# the 1.5B benchmark model's own tensors (docs/lab/2026-12-06-compensation-on-real-tensors.md) it
+# left 1.07x (IQ2_XXS) to 1.25x (IQ3_S) the per-step walk's layer error at 2.7x plain per menu
+# (fixed: 8.8x): the probe's rounding is as good as the file's but not the file's (a sub-block's
+# scale is coded against another ruler), so the walk passes on an error the file does not have
 PACKED_SWEEP = frozenset({"IQ3_S", "IQ2_S", "IQ2_XXS", "IQ1_S"})
 PACK_NORM = "rms"  # a probe row's norm: its superblock's RMS ("max": its largest 32-column RMS; measured)
 
