@@ -67,10 +67,13 @@ def calibration_tokens(tokenizer, jsonl: Path | None, sequences: int, seq_len: i
     if jsonl is None:
         import quality_texts as qtx
 
-        out = Path(tempfile.mkdtemp(prefix="voodoo-objective-"))
-        jsonl = qtx.build_texts({d: qtx.domain(d) for d in qtx.DOMAINS}, qtx.DOMAINS, out).calib
+        with tempfile.TemporaryDirectory(prefix="voodoo-objective-") as out:
+            path = qtx.build_texts({d: qtx.domain(d) for d in qtx.DOMAINS}, qtx.DOMAINS, Path(out)).calib
+            text = path.read_text(encoding="utf-8")
+    else:
+        text = jsonl.read_text(encoding="utf-8")
     ids: list[int] = []
-    for line in jsonl.read_text(encoding="utf-8").splitlines():
+    for line in text.splitlines():
         if line.strip():
             ids += tokenizer(json.loads(line)["text"], add_special_tokens=False)["input_ids"]
             if len(ids) >= sequences * seq_len:
