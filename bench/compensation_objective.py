@@ -85,29 +85,23 @@ def calibration_tokens(tokenizer, jsonl: Path | None, sequences: int, seq_len: i
 
 def collect(model, layers: list[int], tokens, batch: int) -> dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]:
     """(layer, input) → (H float32 n × n, imatrix vector: mean x² per column), from one forward
-    pass of `tokens` stopped after the deepest layer asked for."""
+    pass of `tokens` stopped after the deepest layer asked for. H is accumulated by the product's
+    own hook (training/hessians.py, float32)."""
     import torch
 
-    acc: dict[tuple[int, str], torch.Tensor] = {}
-    count: dict[tuple[int, str], int] = {}
-    hooks = []
+    from voodoo_quant.training.hessians import accumulating_hook
+
+    acc: dict[str, torch.Tensor] = {}
+    keys = {f"{L}:{INPUT[t]}": (L, INPUT[t], module) for L in layers
+            for t, module in (("q_proj", "self_attn.q_proj"), ("o_proj", "self_attn.o_proj"),
+                              ("gate_proj", "mlp.gate_proj"), ("down_proj", "mlp.down_proj"))}
     blocks = model.model.layers
-    for L in layers:
-        for tensor, module in (("q_proj", "self_attn.q_proj"), ("o_proj", "self_attn.o_proj"),
-                               ("gate_proj", "mlp.gate_proj"), ("down_proj", "mlp.down_proj")):
-            key = (L, INPUT[tensor])
-
-            def hook(_m, args, key=key):
-                x = args[0].detach().reshape(-1, args[0].shape[-1]).to(torch.float64)
-                acc[key] = acc.get(key, 0) + x.T @ x
-                count[key] = count.get(key, 0) + x.shape[0]
-
-            hooks.append(blocks[L].get_submodule(module).register_forward_pre_hook(hook))
+    hooks = [blocks[L].get_submodule(m).register_forward_pre_hook(accumulating_hook(acc, k)) for k, (L, _, m) in keys.items()]
 
     def stop(*_):
         raise _Enough
 
-    hooks.append(blocks[max(layers)].register_forward_hook(stop))
+    hooks.append(blocks[max(layers)].register_forward_hook(stop))  # every layer asked for has seen the batch
     try:
         with torch.no_grad():
             for i in range(0, tokens.shape[0], batch):
@@ -118,8 +112,7 @@ def collect(model, layers: list[int], tokens, batch: int) -> dict[tuple[int, str
     finally:
         for h in hooks:
             h.remove()
-    return {k: (v.to(torch.float32).numpy(), (torch.diagonal(v) / count[k]).to(torch.float32).numpy())
-            for k, v in acc.items()}
+    return {(L, i): (acc[k].numpy(), (torch.diagonal(acc[k]) / tokens.numel()).numpy()) for k, (L, i, _) in keys.items()}
 
 
 def objective(W, Wq, H) -> float:
