@@ -64,7 +64,7 @@ from ..core import qtypes as qt
 from ..core.errors import QuantizationInputError
 
 ALGORITHM = "gptq-blocks/2"  # the "requant" sweep; /2: whole-superblock steps for WHOLE_SUPERBLOCK (Q5_K)
-FIXED_ALGORITHM = "gptq-fixed/1"  # the "fixed" sweep (:func:`_sweep_fixed`); a PACKED type adds "+pack"
+FIXED_ALGORITHM = "gptq-fixed/2"  # the "fixed" sweep (:func:`_sweep_fixed`); a PACKED type adds "+pack"
 SWEEPS = ("fixed", "packed", "requant")
 DEFAULT_SWEEP = "fixed"
 DEFAULT_DAMP = 0.1
@@ -195,28 +195,26 @@ def _cholesky_factor(hessian: np.ndarray, damp: float):
 
 
 def _reversed_factor(hessian: np.ndarray, damp: float):
-    """The factor of :func:`_cholesky_factor` in half the work, kept in float32 for the sweep:
-    with J the order reversal and J H J = L Lᵀ, H⁻¹ = (J L⁻¹ J)ᵀ (J L⁻¹ J) and J L⁻¹ J is upper
-    with a positive diagonal, so it is the upper Cholesky factor of H⁻¹ (one Cholesky and one
-    triangular inverse, no explicit inverse). Computed in float64 on the calling thread."""
+    """M, upper triangular with a positive diagonal and H = M Mᵀ (H damped), in float32 for the
+    sweep: with J the order reversal and J H J = L Lᵀ, M = J L J. One Cholesky and nothing else:
+    the Cholesky factor of H⁻¹ that GPTQ's update reads is M⁻¹, and the sweep
+    (:func:`_sweep_fixed`) needs it only one group's diagonal block at a time. Computed in
+    float64 on the calling thread, with two n × n float64 matrices at the peak (J H J, then L)."""
     import torch
 
-    H = torch.from_numpy(hessian.astype(np.float64))
-    diag = torch.diagonal(H)
-    dead = diag <= 0
+    dead = np.diagonal(hessian) <= 0
     if bool(dead.all()):
-        return None, dead.numpy()
-    H[dead, dead] = 1.0
-    mean = float(torch.mean(torch.diagonal(H)[~dead]))
-    H += (damp * mean) * torch.eye(H.shape[0], dtype=torch.float64)
-    L, info = torch.linalg.cholesky_ex(torch.flip(H, (0, 1)))
+        return None, dead
+    Hr = torch.from_numpy(np.ascontiguousarray(hessian[::-1, ::-1], dtype=np.float64))  # J H J
+    live = torch.from_numpy(~dead[::-1].copy())
+    diag = torch.diagonal(Hr)
+    diag[~live] = 1.0
+    diag += damp * float(torch.mean(diag[live]))
+    L, info = torch.linalg.cholesky_ex(Hr)
     if int(info) != 0:
         raise QuantizationInputError("the damped Hessian is not positive definite; raise the damping")
-    del H
-    eye = torch.eye(L.shape[0], dtype=torch.float64)
-    Linv = torch.linalg.solve_triangular(L, eye, upper=False)
-    del L, eye
-    return torch.flip(Linv, (0, 1)).to(torch.float32), dead.numpy()
+    del Hr
+    return torch.flip(L.to(torch.float32), (0, 1)), dead
 
 
 def compensated_matrix(matrix: np.ndarray, qtype: str | qt.QType, imatrix: np.ndarray | None,
@@ -242,7 +240,7 @@ def compensated_matrix(matrix: np.ndarray, qtype: str | qt.QType, imatrix: np.nd
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the same bits on every run: export computes W' again
     try:
-        U, dead = comp.factor()
+        U, dead = comp.factor()  # "requant": U; the other sweeps: M (_reversed_factor)
         if U is None:
             return m
         if comp.sweep != "requant":  # dead columns: no update reaches them, no error leaves them
@@ -269,7 +267,7 @@ def compensated_matrix(matrix: np.ndarray, qtype: str | qt.QType, imatrix: np.nd
     return np.ascontiguousarray(out)
 
 
-def _sweep_fixed(m: np.ndarray, q: qt.QType, imatrix, U, dead, lib, B: int,
+def _sweep_fixed(m: np.ndarray, q: qt.QType, imatrix, M, dead, lib, B: int,
                  packed: frozenset = frozenset()) -> np.ndarray:
     """The "fixed" sweep, in float32: W' for `m` with the error of every 32 columns passed on.
 
@@ -282,16 +280,26 @@ def _sweep_fixed(m: np.ndarray, q: qt.QType, imatrix, U, dead, lib, B: int,
     on a probe of 8 rows' step columns (:func:`_packed_rounding`). Any other type (its block of
     32, or a grid IQ superblock) is quantized by libggml-base at every step, as the "requant"
     sweep does; for these and the packed types W' holds the updated weights, and the row's last
-    step (no later column to take its error) is not quantized. Updates are applied lazily: within
-    a group (the superblock, or :data:`LAZY` columns of 32-blocks) step by step, to the rest of
-    the row once per group (one product). The GRID_* settings are the measured variants the
-    product does not use (bench/compensation_cost.py sets them)."""
+    step (no later column to take its error) is not quantized.
+
+    The walk goes a group at a time (the superblock, or :data:`LAZY` columns of 32-blocks), from
+    M, the upper factor of H = M Mᵀ (:func:`_reversed_factor`). With the columns before a group G
+    fixed (Q their rounding), the best values of the columns still free are
+    W + (W − Q)_before · M[before, free] · M[free, free]⁻¹ (minimizing the error tr(ΔW H ΔWᵀ)
+    over them; H's blocks in M's terms), and a leading block of an upper triangular inverse is the
+    inverse of the leading block, so G starts from W_G + C_G · M_GG⁻¹, where C_G accumulates
+    (W − Q)_S · M[S, G] over the groups S already walked (one product per group). Within G the
+    steps are GPTQ's with U_GG = M_GG⁻¹, the diagonal block of the Cholesky factor of H⁻¹
+    (Frantar et al.): no n × n inverse is formed (the LDLQ form of the same update, Chee et al.,
+    QuIP). The GRID_* settings are the measured variants the product does not use
+    (bench/compensation_cost.py sets them)."""
     import torch
 
     from . import fixed_rounding  # lazy: it imports torch, which building plain candidates never needs
 
     rows, n = m.shape
-    W = torch.from_numpy(m.copy())
+    W0 = torch.from_numpy(m)  # read only: the weights as given
+    out = torch.zeros(rows, n, dtype=torch.float32)  # C for the groups not yet walked, W' for the others
     live = torch.from_numpy(~dead).to(torch.float32)
     vec = None if imatrix is None else np.ascontiguousarray(imatrix, dtype=np.float32)
     step = min(B, STEP)
@@ -304,43 +312,46 @@ def _sweep_fixed(m: np.ndarray, q: qt.QType, imatrix, U, dead, lib, B: int,
     pack = grid and q.name in packed
     for g0 in range(0, n, group):
         g1 = min(n, g0 + group)
+        Ug = torch.linalg.solve_triangular(M[g0:g1, g0:g1].double(), torch.eye(g1 - g0, dtype=torch.float64),
+                                           upper=True).to(torch.float32)  # U_GG = M_GG⁻¹
+        W = W0[:, g0:g1] + out[:, g0:g1] @ Ug if g0 else W0[:, g0:g1].clone()  # the group's columns, local
+        vg = None if vec is None else vec[g0:g1]
         if passes:
-            errs = _superblock_passes(W, g0, g1, q, vec, U, live, lib, passes, bool(GRID_PASS_ROUND))
-            if g1 < n:
-                W[:, g1:] -= errs @ U[g0:g1, g1:]
-            continue
-        errs = torch.empty(rows, g1 - g0, dtype=torch.float32)
-        scales = None
-        for s0 in range(g0, g1, step):
-            s1 = s0 + step
-            if s1 == n and not hold:  # the row's last step: its error has no column to go to
-                errs[:, s0 - g0:] = 0
-                break
-            b0 = (s0 // B) * B  # the block holding the step
-            if scales is not None and (fixed or (s0 - b0) // step not in steps):
-                Q = scales.round(W[:, s0:s1], s0 - b0, s1 - b0)
-            elif pack:
-                sq = W[:, b0:b0 + B].square()
-                norm = (sq.mean(1, keepdim=True) if PACK_NORM == "rms" else
-                        sq.reshape(rows, -1, step).mean(2).amax(1, keepdim=True)).sqrt()
-                norm = torch.where(norm > 0, norm, torch.ones_like(norm))
-                Q = _packed_rounding(W[:, s0:s1] / norm, q, None if vec is None else vec[s0:s1], lib, B) * norm
-            else:
-                blk = np.ascontiguousarray(W[:, b0:b0 + B].numpy())
-                v = None if vec is None else vec[b0:b0 + B]
-                data = lib.quantize(blk, q, v, name="compensation", workers=1)
-                Q = torch.from_numpy(lib.dequantize(data, q, blk.shape, name="compensation")[:, s0 - b0:s1 - b0])
-                if fixed or steps is not None:
-                    scales = fixed_rounding.FixedScales(data, q, rows, B, v)
-            E = (W[:, s0:s1] - Q) * live[s0:s1]
-            err = torch.linalg.solve_triangular(U[s0:s1, s0:s1], E, upper=True, left=False)
-            if hold:
-                W[:, s0:s1] = Q
-            W[:, s1:g1] -= err @ U[s0:s1, s1:g1]
-            errs[:, s0 - g0:s1 - g0] = err
+            W, Q = _superblock_passes(W, q, vg, Ug, live[g0:g1], lib, passes, bool(GRID_PASS_ROUND))
+        else:
+            Q = torch.zeros(rows, g1 - g0, dtype=torch.float32)
+            scales = None
+            for c0 in range(0, g1 - g0, step):
+                c1 = c0 + step
+                if g0 + c1 == n and not hold:  # the row's last step: its error has no column to go to
+                    break
+                b0 = (c0 // B) * B  # the block holding the step, local
+                if scales is not None and (fixed or (c0 - b0) // step not in steps):
+                    Qs = scales.round(W[:, c0:c1], c0 - b0, c1 - b0)
+                elif pack:
+                    sq = W[:, b0:b0 + B].square()
+                    norm = (sq.mean(1, keepdim=True) if PACK_NORM == "rms" else
+                            sq.reshape(rows, -1, step).mean(2).amax(1, keepdim=True)).sqrt()
+                    norm = torch.where(norm > 0, norm, torch.ones_like(norm))
+                    v = None if vg is None else vg[c0:c1]
+                    Qs = _packed_rounding(W[:, c0:c1] / norm, q, v, lib, B) * norm
+                else:
+                    blk = np.ascontiguousarray(W[:, b0:b0 + B].numpy())
+                    v = None if vg is None else vg[b0:b0 + B]
+                    data = lib.quantize(blk, q, v, name="compensation", workers=1)
+                    Qs = torch.from_numpy(lib.dequantize(data, q, blk.shape, name="compensation")[:, c0 - b0:c1 - b0])
+                    if fixed or steps is not None:
+                        scales = fixed_rounding.FixedScales(data, q, rows, B, v)
+                E = (W[:, c0:c1] - Qs) * live[g0 + c0:g0 + c1]
+                err = torch.linalg.solve_triangular(Ug[c0:c1, c0:c1], E, upper=True, left=False)
+                if hold:
+                    W[:, c0:c1] = Qs
+                W[:, c1:] -= err @ Ug[c0:c1, c1:]
+                Q[:, c0:c1] = Qs
+        out[:, g0:g1] = W
         if g1 < n:
-            W[:, g1:] -= errs @ U[g0:g1, g1:]
-    return W.numpy()
+            out[:, g1:] += ((W0[:, g0:g1] - Q) * live[g0:g1]) @ M[g0:g1, g1:]
+    return out.numpy()
 
 
 def _packed_rounding(x, q: qt.QType, v, lib, B: int):
@@ -362,34 +373,31 @@ def _packed_rounding(x, q: qt.QType, v, lib, B: int):
     return torch.from_numpy(lib.dequantize(data, q, probe.shape, name="compensation").reshape(-1, w)[:rows])
 
 
-def _superblock_passes(W, g0: int, g1: int, q: qt.QType, vec, U, live, lib, passes: int, rnd: bool):
-    """Walk the superblock W[:, g0:g1] `passes` times from the values it has when the walk reaches
-    it, each pass's rounding taken from libggml-base's quantization of what the previous pass left;
-    W[:, g0:g1] gets the last pass's weights. Returns the errors (rows × width) to pass on."""
+def _superblock_passes(start, q: qt.QType, v, U, live, lib, passes: int, rnd: bool):
+    """Walk a grid superblock `passes` times from `start` (rows × its width: the values it has
+    when the walk reaches it), each pass's rounding taken from libggml-base's quantization of
+    what the previous pass left; U is the group's block of the Cholesky factor of H⁻¹ and `live`
+    its columns' mask. Returns the last pass's weights and rounding."""
     import torch
 
     from . import fixed_rounding  # lazy: it imports torch, which building plain candidates never needs
 
-    rows = W.shape[0]
-    start = W[:, g0:g1].clone()
-    v = None if vec is None else vec[g0:g1]
+    rows, width = start.shape
     sb = start
     for _ in range(passes):
         blk = np.ascontiguousarray(sb.numpy())
         data = lib.quantize(blk, q, v, name="compensation", workers=1)
         D = None if rnd else torch.from_numpy(lib.dequantize(data, q, blk.shape, name="compensation"))
-        scales = fixed_rounding.FixedScales(data, q, rows, g1 - g0, v) if rnd else None
+        scales = fixed_rounding.FixedScales(data, q, rows, width, v) if rnd else None
         sb = start.clone()
-        errs = torch.empty(rows, g1 - g0, dtype=torch.float32)
-        for c0 in range(0, g1 - g0, STEP):
+        Q = torch.empty(rows, width, dtype=torch.float32)
+        for c0 in range(0, width, STEP):
             c1 = c0 + STEP
-            Q = scales.round(sb[:, c0:c1], c0, c1) if rnd else D[:, c0:c1]
-            E = (sb[:, c0:c1] - Q) * live[g0 + c0:g0 + c1]
-            err = torch.linalg.solve_triangular(U[g0 + c0:g0 + c1, g0 + c0:g0 + c1], E, upper=True, left=False)
-            sb[:, c1:] -= err @ U[g0 + c0:g0 + c1, g0 + c1:g1]
-            errs[:, c0:c1] = err
-    W[:, g0:g1] = sb
-    return errs
+            Q[:, c0:c1] = scales.round(sb[:, c0:c1], c0, c1) if rnd else D[:, c0:c1]
+            E = (sb[:, c0:c1] - Q[:, c0:c1]) * live[c0:c1]
+            err = torch.linalg.solve_triangular(U[c0:c1, c0:c1], E, upper=True, left=False)
+            sb[:, c1:] -= err @ U[c0:c1, c1:]
+    return sb, Q
 
 
 def quantize_compensated(matrix: np.ndarray, qtype: str | qt.QType, imatrix: np.ndarray | None,

@@ -164,8 +164,8 @@ def compensation_term(cfg, model: nn.Module, plans: Sequence, *, skeleton: bool 
       (`skeleton`: --lazy, tensor parallelism) the collection runs before anything is loaded, a
       phase of its own (:func:`add_compensation`), and is not counted here;
     - candidates: in each of the ``VOODOO_QUANT_WORKERS`` quantization processes, the factors it
-      keeps for a tensor's next type (compensate.py, at most ``FACTOR_CACHE_BYTES``) plus the float64
-      H, factor and inverse of the tensor it works on.
+      keeps for a tensor's next type (compensate.py, at most ``FACTOR_CACHE_BYTES``) plus, for the
+      tensor it works on, the float64 H and its factor and the float32 factor kept.
 
     Under tensor parallelism (`world` > 1) both are rank 0's: it collects the Hessians and builds
     every candidate while the other ranks wait (training/compensation.py ``ensure``)."""
@@ -178,7 +178,7 @@ def compensation_term(cfg, model: nn.Module, plans: Sequence, *, skeleton: bool 
     per_worker = min(FACTOR_CACHE_BYTES, sum(n * n * 8 for n in dims)) + 3 * max(dims) ** 2 * 8
     name = "Hessians (--error_compensation)" + (", rank 0" if world > 1 else "")
     build = (f"{workers} quantization process(es) × (kept factors, ≤ {FACTOR_CACHE_BYTES >> 20} MiB, + one "
-             f"tensor's float64 H, factor and inverse: {per_worker / GB:.2f} GB) (VOODOO_QUANT_WORKERS)")
+             f"tensor's float64 H and factor, float32 factor: {per_worker / GB:.2f} GB) (VOODOO_QUANT_WORKERS)")
     if skeleton:
         return Term(name, workers * per_worker, f"{build}; collected layer by layer below")
     stored, in_layer, note = phase_bytes(cfg, model, plans, loaded=True)
