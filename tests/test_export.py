@@ -177,6 +177,44 @@ def _torch_ppl(model, tokens: list[int]) -> float:
 
 
 @pytest.mark.slow
+def test_a_conversion_made_earlier_gives_the_same_file_and_is_checked(exported, tmp_path):
+    """--converted: the file is byte for byte the one export makes by converting; a conversion
+    of other weights, or one that cannot be checked, is refused before anything is written."""
+    import dataclasses
+
+    from voodoo_quant.core.errors import ConfigError
+    from voodoo_quant.tools.export import ExportConfig, export
+    from voodoo_quant.training.provenance import ProvenanceMismatchError
+
+    arch, d, _, asg, res, root = exported
+    if arch != "llama":
+        pytest.skip("one architecture is enough: the path does not depend on it")
+    again = export(ExportConfig(model=d, assignment=root / "assignment.json", output_dir=tmp_path / "a",
+                                imatrix=root / "imatrix.gguf", size_percent=45, converted=res.f32_gguf))
+    assert again.path.read_bytes() == res.path.read_bytes() and again.f32_gguf is None
+    assert res.f32_gguf.is_file()  # read, not moved
+    other = tmp_path / "other.gguf"  # the same model with one selected tensor's weights changed
+    gguf = converter.vendored_gguf()
+    r = gguf.GGUFReader(res.f32_gguf)
+    w = gguf.GGUFWriter(other, r.fields["general.architecture"].contents())
+    victim = next(t.name for t in r.tensors if t.name.endswith("attn_q.weight"))
+    for t in r.tensors:
+        data = np.array(t.data)
+        w.add_tensor(t.name, data + np.float32(1e-3) if t.name == victim else data, raw_dtype=t.tensor_type)
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    with pytest.raises(ProvenanceMismatchError, match="base weights mismatch"):
+        export(ExportConfig(model=d, assignment=root / "assignment.json", output_dir=tmp_path / "b",
+                            imatrix=root / "imatrix.gguf", size_percent=45, converted=other))
+    assert not (tmp_path / "b" / res.path.name).exists()
+    unchecked = dataclasses.replace(asg, weights_sha256=None)
+    with pytest.raises(ProvenanceMismatchError, match="records no weights_sha256"):
+        export(ExportConfig(model=d, assignment=unchecked, output_dir=tmp_path / "c", imatrix=root / "imatrix.gguf",
+                            size_percent=45, converted=res.f32_gguf))
+    with pytest.raises(ConfigError, match="--base_checkpoint"):
+        ExportConfig(model=d, assignment=root / "assignment.json", output_dir=tmp_path, size_percent=45,
+                     converted=res.f32_gguf, base_checkpoint=root / "assignment.json")
+
+
 def test_perplexity_llama_cpp_equals_torch(exported, shakespeare_text_file):
     import torch
     import transformers as T

@@ -23,6 +23,7 @@ def register(app: typer.Typer) -> None:
         size_percent: Optional[int] = typer.Option(None, "--size_percent", "--size-percent", help="Size for the canonical name (45 → Voodoo45_IQ2_M; a size without a badge, e.g. 85 → Voodoo85)."),
         model_name: Optional[str] = typer.Option(None, "--model_name", "--model-name", help="<Model> in the canonical name (default: the model dir's name)."),
         overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output file."),
+        converted: Optional[Path] = typer.Option(None, "--converted", help="The F32 GGUF of --model made earlier by llama.cpp's convert_hf_to_gguf.py (--outtype f32): read instead of converting again into the temp dir. Its quantized tensors must hash to the weights the assignment records."),
         allow_mismatch: bool = typer.Option(False, "--allow_mismatch", "--allow-mismatch", help="Experts: export even when the imatrix, base weights, libggml or menus differ from what the assignment records (or it records none); each mismatch is logged."),
     ) -> None:
         """Write the assignment as one GGUF that stock llama.cpp loads and runs."""
@@ -31,7 +32,7 @@ def register(app: typer.Typer) -> None:
         cfg = ExportConfig(
             model=model, assignment=assignment, output_dir=output_dir, base_checkpoint=base_checkpoint,
             imatrix=imatrix, output_name=output_name, size_percent=size_percent, model_name=model_name,
-            overwrite=overwrite, allow_mismatch=allow_mismatch,
+            overwrite=overwrite, converted=converted, allow_mismatch=allow_mismatch,
         )
         r = export(cfg)
         types = ", ".join(f"{k}×{v}" for k, v in r.types.items())

@@ -70,6 +70,9 @@ class ExportConfig:
     model_name: str | None = None  # <Model> in the name; default: the model dir's name
     overwrite: bool = False
     keep_f32: bool = False  # keep the converter's F32 GGUF beside the output (for checks)
+    # the converter's F32 GGUF of `model`, made earlier (a --keep_f32 file, the ladder's reference):
+    # read instead of converting again; its selected tensors must hash to the assignment's weights
+    converted: Path | None = None
     workers: int | None = None
     allow_mismatch: bool = False  # export even when the provenance checks disagree (experts)
 
@@ -90,6 +93,15 @@ class ExportConfig:
             self.imatrix = Path(self.imatrix)
             if not self.imatrix.is_file():
                 raise ConfigError(f"--imatrix {self.imatrix} does not exist")
+        if self.converted is not None:
+            self.converted = Path(self.converted)
+            if not self.converted.is_file():
+                raise ConfigError(f"--converted {self.converted} does not exist")
+            if self.base_checkpoint is not None:
+                raise ConfigError("--converted is the conversion of --model's own weights; with --base_checkpoint "
+                                  "the weights are another's (leave --converted out)")
+            if self.keep_f32:
+                raise ConfigError("--keep_f32 keeps the conversion export makes; with --converted it makes none")
         if self.size_percent is not None and not (isinstance(self.size_percent, int) and 0 < self.size_percent <= 400):
             raise ConfigError(f"--size_percent must be a whole percent of Q8_0 in 1..400, got {self.size_percent!r}")
         if self.output_name is None and self.size_percent is None:
@@ -131,11 +143,13 @@ def _checkpoint_elements(model: Path) -> int:
 
 
 def check_space(cfg: ExportConfig, asg: Assignment, out_path: Path) -> None:
-    """Before converting: room for the converter's F32 GGUF (temp dir) and for the output."""
+    """Before converting: room for the converter's F32 GGUF (temp dir; none with ``converted``)
+    and for the output."""
     n_all = _checkpoint_elements(cfg.model)
     n_sel = sum(int(np.prod(t.shape, dtype=np.int64)) for t in asg.tensors.values())
-    tmp_need = 4 * n_all * (2 if cfg.base_checkpoint is not None else 1)  # F32 GGUF (+ safetensors copy)
-    fileio.ensure_free_space(tempfile.gettempdir(), tmp_need, what="the converter's temporary F32 GGUF")
+    if cfg.converted is None:
+        tmp_need = 4 * n_all * (2 if cfg.base_checkpoint is not None else 1)  # F32 GGUF (+ safetensors copy)
+        fileio.ensure_free_space(tempfile.gettempdir(), tmp_need, what="the converter's temporary F32 GGUF")
     out_need = asg.total_bytes + 4 * max(0, n_all - n_sel) + (1 << 20)  # + unselected F32 tensors, metadata
     fileio.ensure_free_space(out_path.parent, out_need, what=f"the GGUF {out_path.name}")
 
@@ -259,6 +273,9 @@ def export(cfg: ExportConfig) -> ExportResult:
     provenance.check_recorded(asg, source=source, allow=cfg.allow_mismatch)
     imat = provenance.resolve_imatrix(asg, cfg.imatrix, allow=cfg.allow_mismatch)
     comps = provenance.resolve_compensation(asg, allow=cfg.allow_mismatch)  # HF name -> Compensation
+    if cfg.converted is not None and asg.weights_sha256 is None:  # (refused above unless allowed)
+        provenance.refuse_or_warn(f"{source} records no weights hash: --converted {cfg.converted} is used unchecked",
+                                  cfg.allow_mismatch)
     out_path = cfg.output_dir / cfg.file_name()
     if out_path.exists() and not cfg.overwrite:
         raise fileio.OutputExistsError(f"{out_path} exists; pass --overwrite to replace it")
@@ -274,14 +291,15 @@ def export(cfg: ExportConfig) -> ExportResult:
         selected, gguf_names = _selected(asg, cfg.model)
         comp_of = {gguf_names[n]: c for n, c in comps.items() if n in gguf_names}
         cands = CandidateCache()
-        f32_path = converter.convert(model_dir, tmp / "model-f32.gguf", outtype="f32")
+        f32_path = cfg.converted or converter.convert(model_dir, tmp / "model-f32.gguf", outtype="f32")
         reader = gguf.GGUFReader(f32_path)
         present = {t.name for t in reader.tensors}
         unknown = sorted(set(selected) - present)
         if unknown:
             raise ConfigError(f"assignment names {len(unknown)} tensor(s) not in the converted GGUF, e.g. {unknown[0]}")
         if asg.weights_sha256 is not None:
-            provenance.check_weights(asg, _weights_sha256(reader, selected), model=cfg.model,
+            provenance.check_weights(asg, _weights_sha256(reader, selected),
+                                     model=cfg.converted or cfg.model,
                                      base_checkpoint=cfg.base_checkpoint, allow=cfg.allow_mismatch)
 
         # Plan every tensor first: the header (tensor infos) precedes the data.

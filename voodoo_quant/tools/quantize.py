@@ -376,8 +376,11 @@ class Ladder:
         run = self.work / "runs" / name
         where = {"output_dir": self.cfg.output_dir} if variant is None else {
             "output_dir": self.work / "variants", "output_name": f"{self.cfg.model_name}.{name}.gguf"}
+        if "reference" not in self.keys:  # the teacher's conversion: export reads it instead of converting again
+            self.reference_gguf()
         ecfg = ExportConfig(model=self.teacher_hf, assignment=run / "assignment.json", imatrix=self.imatrix,
-                            size_percent=size, model_name=self.cfg.model_name, overwrite=True, **where)
+                            size_percent=size, model_name=self.cfg.model_name, overwrite=True,
+                            converted=self.reference, **where)
         path = ecfg.output_dir / ecfg.file_name()
         ttf = path.with_name(path.stem + ".tensor-types.txt")
         inputs = {"train": self.keys[f"train-{name}"], "teacher": self.keys["make-teacher"],
