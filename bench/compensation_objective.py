@@ -281,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.out:
         from voodoo_quant.core import fileio
 
-        fileio.write_text(a.out, json.dumps({"argv": sys.argv[1:], "rows": rows, "menus": summary,
+        argv = [v.replace(str(Path.home()), "~") for v in sys.argv[1:]]  # no machine paths in result files
+        fileio.write_text(a.out, json.dumps({"argv": argv, "rows": rows, "menus": summary,
                                              "factors": [[L, i, s, v] for (L, i, s), v in factor_s.items()]}, indent=1))
     return 0
 
