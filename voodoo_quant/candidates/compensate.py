@@ -13,7 +13,8 @@ row (columns in GGUF order):
         W'[:, later] −= E · U[step, later]
 
 where U is the upper Cholesky factor of (H + λ·mean(diag H)·I)⁻¹ and H = Σ xᵀx over the layer's
-inputs on calibration text. This minimizes ‖(W − Ŵ) X‖² one block at a time (Frantar et al.,
+inputs on calibration text (the fixed and packed sweeps hold M = U⁻¹, from one Cholesky of H, and
+read U a group's diagonal block at a time: :func:`_sweep_fixed`). This minimizes ‖(W − Ŵ) X‖² one block at a time (Frantar et al.,
 GPTQ, with a ggml block's columns fixed at once because they share a scale). A step is a block of
 32, or one 32-column sub-block of a 256-weight superblock. How the step's rounding Q is obtained
 is the sweep (:attr:`Compensation.sweep`):
@@ -34,8 +35,8 @@ is the sweep (:attr:`Compensation.sweep`):
   is this sweep with every grid IQ type (:data:`PACKED_SWEEP`) rounded from the probe. float32, updates
   applied a group at a time; the factor from one Cholesky of the order-reversed H. Cost per
   candidate (``bench/compensation_cost.py``): 1.9–4.0× a plain one for the K-quants and IQ4_XS,
-  9–11× for the grid IQ types (packed: 2.1–2.5×); the default menu on a real model's tensors 8.8×
-  (packed 2.7×; ``bench/compensation_objective.py``).
+  9–11× for the grid IQ types (packed: 2.1–2.5×); the default menu on a real model's tensors 8.7×
+  (packed 2.6×; ``bench/compensation_objective.py``).
 - ``"requant"`` (the walk of assignments made before the sweep was a choice): the superblock is
   quantized again after each of its sub-blocks, float64; except for the types of
   :data:`WHOLE_SUPERBLOCK`, whose superblock is one step (their sub-block scales are coded against
