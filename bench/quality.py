@@ -38,6 +38,7 @@ import logging
 import math
 import os
 import shlex
+import statistics
 import sys
 import time
 import uuid
@@ -184,8 +185,16 @@ class Bench:
 
     def estimate(self, item: Item, texts: list[str]) -> float:
         """Seconds the item took in earlier sessions (its own steps, and the shared steps and eval
-        bases not yet run in this one); 0 where nothing was recorded."""
+        bases not yet run in this one). An item never made is taken to cost what its kind did, the
+        median over the items of its kind recorded (stock or uniform recipes; one method at other
+        sizes); 0 where nothing of its kind was recorded either."""
         own = sum(s for (i, _), s in self.history.items() if i == item.label)
+        if not own:
+            totals: dict[str, float] = {}
+            for (i, _), s in self.history.items():
+                if i is not None and _kind(i) == _kind(item.label):
+                    totals[i] = totals.get(i, 0.0) + s
+            own = statistics.median(totals.values()) if totals else 0.0
         shared = 0.0 if "shared" in self.ready else sum(
             self.history.get((None, s), 0.0) for s in self.shared_steps if not self.found(s))
         bases = sum(self.history.get((None, f"eval-base-{x}"), 0.0) for x in texts
@@ -299,6 +308,12 @@ class Bench:
         return {"step": step, "item": item.label if item else None, "seconds": None if seconds is None else round(seconds, 1),
                 "peak_rss_mb": store.peak_rss_mb(), "model": self.cfg.name, "calib": "+".join(self.cfg.calib),
                 "cpus": os.cpu_count(), "session": self.session, "date": _now(), "versions": self.versions, **extra}
+
+
+def _kind(label: str) -> str:
+    """An item label's kind: ``stock``/``uniform`` for a recipe (``stock-IQ3_S``), the method for a
+    trained file (``Voodoo30-knapsack-gptq`` → ``knapsack-gptq``)."""
+    return label.split("-", 1)[1] if label.startswith("Voodoo") else label.split("-", 1)[0]
 
 
 def _now() -> str:

@@ -333,6 +333,23 @@ def test_the_estimate_leaves_out_the_shared_steps_and_bases_this_machine_holds(t
     assert elsewhere.estimate(item, ["plays", "python"]) > own  # a fresh machine: the shared steps count
 
 
+def test_an_item_never_made_is_estimated_from_its_kind(tmp_path, tiny_llama_hf_dir):
+    """A stock file never made costs what the stock files made did (their median), so a run with
+    --max_minutes does not start one with no time left; a method's file at a new size, the same."""
+    q = _bench("quality")
+
+    b = q.Bench(_cfg(q, tiny_llama_hf_dir, tmp_path, tmp_path / "r.jsonl"), "cmd", log=lambda s: None)
+    b.ready, b.bases = {"shared"}, {}
+    b.history = {("stock-Q8_0", "stock-Q8_0"): 10.0, ("stock-Q8_0", "eval-plays"): 50.0,
+                 ("stock-IQ2_XXS", "stock-IQ2_XXS"): 200.0, ("stock-IQ2_S", "stock-IQ2_S"): 400.0,
+                 ("stock-IQ2_S", "eval-plays"): 100.0, ("Voodoo30-knapsack", "train-Voodoo30-knapsack"): 900.0,
+                 (None, "imatrix"): 1000.0}
+    assert b.estimate(q.Item("stock", "IQ3_XXS"), []) == 200.0  # median of 60, 200, 500
+    assert b.estimate(q.Item("stock", "IQ2_S"), []) == 500.0  # its own
+    assert b.estimate(q.Item("knapsack", size=40), []) == 900.0
+    assert b.estimate(q.Item("uniform", "Q4_K_S"), []) == 0.0  # nothing of its kind recorded
+
+
 def test_a_variant_overrides_train_settings_but_not_the_ladders():
     from voodoo_quant.core.errors import ConfigError
     from voodoo_quant.tools.quantize import Variant
