@@ -5,8 +5,10 @@ H = Σ xᵀx and the imatrix vector (mean x² per input column, what ``llama-ima
 are collected on calibration text: the quality benchmark's (bench/quality_texts.py, its held-out
 files never read), or any ``.jsonl`` of text records. Each type is then built plain
 (libggml-base's quantization of W with that vector) and compensated with each sweep
-(``candidates/compensate.py``: "fixed", the default; "packed", every grid IQ step rounded from
-a probe; "requant", the quantizer again at every step), all on one thread, one after another on
+(``candidates/compensate.py``: "ruled", the default, every grid IQ step rounded from a probe
+with its row's weights and its scale coded against its superblock's ruler; "fixed", each grid IQ
+superblock quantized again at every step; "packed", the probe with its own weights and ruler;
+"requant", the quantizer again at every step), all on one thread, one after another on
 the same matrices. Printed, as Markdown:
 
 - per tensor and type: seconds, ÷ plain, and the layer objective tr(E H Eᵀ) / tr(W H Wᵀ) with
@@ -18,7 +20,7 @@ the same matrices. Printed, as Markdown:
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/compensation_objective.py \\
         --hf ~/.cache/voodoo_quant/bench-models/qwen2.5-coder-1.5b-instruct/hf-degrid0-b16 \\
-        --layers 1,13,26 --sweeps fixed,packed --out objective.json
+        --layers 1,13,26 --sweeps fixed,ruled,packed --out objective.json
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from voodoo_quant.candidates import compensate  # noqa: E402
+from voodoo_quant.candidates import compensate, grid_probe  # noqa: E402
 from voodoo_quant.core import ggml  # noqa: E402
 from voodoo_quant.selection.menus import DEFAULT_CANDIDATES  # noqa: E402
 
@@ -124,20 +126,30 @@ def objective(W, Wq, H) -> float:
     return float(((E @ Ht) * E).double().sum() / ((Wt @ Ht) * Wt).double().sum())
 
 
-DEFAULT_NORM = compensate.PACK_NORM
-VARIANTS = ("packed-max",)  # the packed probe's measured normalizations (compensate.PACK_NORM)
+DEFAULTS = {"PACK_NORM": compensate.PACK_NORM, "PACK_WEIGHTS": compensate.PACK_WEIGHTS}
+# the packed probe's measured variants: its rows' normalization (compensate.PACK_NORM) and the
+# weights its search uses (compensate.PACK_WEIGHTS: "row", each row's own superblock σ²; the
+# "ruled" sweep adds the row superblock's ruler to those weights, grid_probe.py)
+VARIANTS = {"packed-max": {"PACK_NORM": "max"}, "packed-row": {"PACK_WEIGHTS": "row"},
+            "packed-max-row": {"PACK_NORM": "max", "PACK_WEIGHTS": "row"}}
 
 
-def base(sweep: str) -> tuple[str, str]:
-    """(the product's sweep, compensate.PACK_NORM) of a sweep name or a measured variant."""
-    return (sweep.split("-")[0], sweep.split("-")[1]) if sweep in VARIANTS else (sweep, DEFAULT_NORM)
+def base(sweep: str) -> str:
+    """The product's sweep of a sweep name or a measured variant, with the module settings of
+    that variant applied to compensate (the defaults for a plain sweep name)."""
+    for k, v in {**DEFAULTS, **VARIANTS.get(sweep, {})}.items():
+        setattr(compensate, k, v)
+    return sweep.split("-")[0]
 
 
 def probe_rounding(W, q: str, vec, H, lib) -> dict:
     """The packed probe as a rounding oracle, with no walk: every 32-column step of W rounded by
-    the probe (rows divided by their superblock's RMS, as the walk does) against libggml-base's
-    quantization of W itself (the file's rounding). The imatrix-weighted error and the layer
-    objective of the probe's rounding ÷ the file's, and the fraction of values that differ."""
+    the probe (rows divided by their superblock's RMS, as the walk does; the weights as
+    compensate.PACK_WEIGHTS says) against libggml-base's quantization of W itself (the file's
+    rounding). The imatrix-weighted error and the layer objective of the probe's rounding ÷ the
+    file's, the fraction of values that differ, and the fraction of 16-value groups whose grid
+    pattern differs (not the file's values times one positive factor: another grid point or
+    sign, not only another sub-block scale)."""
     import torch
 
     Wt, rows = torch.from_numpy(W), W.shape[0]
@@ -147,13 +159,19 @@ def probe_rounding(W, q: str, vec, H, lib) -> dict:
     P = np.empty_like(W)
     for s0 in range(0, W.shape[1], compensate.STEP):
         b0 = (s0 // B) * B
-        c = Wt[:, b0:b0 + B].square().mean(1, keepdim=True).sqrt()
+        sq = Wt[:, b0:b0 + B].square()
+        c = sq.mean(1, keepdim=True).sqrt()
         c = torch.where(c > 0, c, torch.ones_like(c))
         x = Wt[:, s0:s0 + compensate.STEP] / c
-        P[:, s0:s0 + compensate.STEP] = (compensate._packed_rounding(x, qq, vec[s0:s0 + compensate.STEP], lib, B) * c).numpy()
+        ms = sq.mean(1) / c.squeeze(1).square()
+        P[:, s0:s0 + compensate.STEP] = (grid_probe.probe_rounding(x, qq, vec[s0:s0 + compensate.STEP], lib, B, ms, compensate.PACK_WEIGHTS)
+                                         * c).numpy()
     err = lambda R: float((((W - R) ** 2) * vec[None, :]).sum())  # noqa: E731
+    g_p, g_f = P.reshape(-1, 16).astype(np.float64), full.reshape(-1, 16).astype(np.float64)
+    alpha = (g_p * g_f).sum(1, keepdims=True) / np.maximum((g_f * g_f).sum(1, keepdims=True), 1e-300)
+    pattern = ~np.all(np.abs(g_p - alpha * g_f) <= 1e-3 * np.abs(g_p).max(1, keepdims=True) + 1e-30, axis=1)
     return {"weighted_err_ratio": err(P) / err(full), "objective_ratio": objective(W, P, H) / objective(W, full, H),
-            "differing": float((P != full).mean())}
+            "differing": float((P != full).mean()), "pattern_differing": float(pattern.mean())}
 
 
 def timed(fn):
@@ -176,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", default="1,13,26")
     ap.add_argument("--tensors", default="q_proj,k_proj,o_proj,gate_proj,down_proj", help=f"of {','.join(TENSORS)}")
     ap.add_argument("--types", default=None, help="default: every type of the menus")
-    ap.add_argument("--sweeps", default="fixed,packed", help=f"of {','.join(compensate.SWEEPS + VARIANTS)}")
+    ap.add_argument("--sweeps", default="fixed,packed", help=f"of {','.join(compensate.SWEEPS + tuple(VARIANTS))}")
     ap.add_argument("--damp", type=float, default=compensate.DEFAULT_DAMP)
     ap.add_argument("--probe_rounding", action="store_true", help="also: the packed probe's rounding of W "
                     "itself (no walk) against the file's, per grid IQ type")
@@ -187,8 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     sweeps = a.sweeps.split(",")
     types = a.types.split(",") if a.types else list(dict.fromkeys(t for m in MENUS.values() for t in m))
     for s in sweeps:
-        if base(s)[0] not in compensate.SWEEPS:
-            raise SystemExit(f"--sweeps: {s!r} is not one of {', '.join(compensate.SWEEPS + VARIANTS)}")
+        if s not in compensate.SWEEPS + tuple(VARIANTS):
+            raise SystemExit(f"--sweeps: {s!r} is not one of {', '.join(compensate.SWEEPS + tuple(VARIANTS))}")
 
     t0 = time.perf_counter()
     tok = AutoTokenizer.from_pretrained(a.hf)
@@ -222,8 +240,7 @@ def main(argv: list[str] | None = None) -> int:
             for s in sweeps:
                 key = (INPUT[t], s)
                 if key not in comps:  # one factor per input and sweep, timed once
-                    compensate.PACK_NORM = base(s)[1]
-                    comps[key] = compensate.Compensation(H, a.damp, base(s)[0])
+                    comps[key] = compensate.Compensation(H, a.damp, base(s))
                     _, secs = timed(comps[key].factor)
                     factor_s[(L, INPUT[t], s)] = secs
             for q in types:
@@ -234,15 +251,20 @@ def main(argv: list[str] | None = None) -> int:
                 row["plain_obj"] = objective(W, lib.dequantize(data, q, W.shape, name=t), H)
                 for s in sweeps:
                     comp = comps[(INPUT[t], s)]
-                    compensate.PACK_NORM = base(s)[1]
+                    base(s)
                     data, secs = timed(lambda: compensate.quantize_compensated(W, q, vec, comp, lib=lib, name=t))
                     row[f"{s}_s"] = secs
                     row[f"{s}_obj"] = objective(W, lib.dequantize(data, q, W.shape, name=t), H)
-                if a.probe_rounding and q in compensate.PACKED_SWEEP:
-                    row["probe"] = probe_rounding(W, q, vec, H, lib)
-                    print(f"# {L}.{t} {q}: the probe's rounding of W (no walk) ÷ the file's: imatrix-weighted error "
-                          f"{row['probe']['weighted_err_ratio']:.4f}, layer objective {row['probe']['objective_ratio']:.4f}; "
-                          f"values differing {row['probe']['differing']:.3f}", flush=True)
+                if a.probe_rounding and q in compensate.RULED_SWEEP:
+                    for mode in compensate.PACK_WEIGHT_MODES:
+                        base("packed")
+                        compensate.PACK_WEIGHTS = mode
+                        row[f"probe_{mode}"] = p = probe_rounding(W, q, vec, H, lib)
+                        print(f"# {L}.{t} {q}: the probe's rounding of W (no walk, weights {mode}) ÷ the file's: "
+                              f"imatrix-weighted error {p['weighted_err_ratio']:.4f}, layer objective "
+                              f"{p['objective_ratio']:.4f}; values differing {p['differing']:.3f}, 16-groups of "
+                              f"another grid pattern {p['pattern_differing']:.3f}", flush=True)
+                    base("packed")
                 rows.append(row)
                 cells = " | ".join(f"{row[f'{s}_s']:.2f} | {row[f'{s}_s'] / row['plain_s']:.2f} | {row[f'{s}_obj']:.5f}"
                                    for s in sweeps)

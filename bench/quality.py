@@ -59,6 +59,7 @@ import quality_texts as texts_mod  # noqa: E402
 from quality_plan import (BENCH_NAME, DEFAULT_METHODS, FLOOR, METHODS, SHARED_STEPS, SIZES, UNIFORM,  # noqa: E402,F401
                           BenchConfig, Item, plan)
 
+from voodoo_quant.candidates.compensate import DEFAULT_SWEEP  # noqa: E402
 from voodoo_quant.core.errors import VoodooError  # noqa: E402
 from voodoo_quant.tools.manifest import digest  # noqa: E402
 
@@ -123,6 +124,8 @@ class Bench:
         if item.trained:
             d["train"] = {"menu": list(c.menu), "device": c.device, "dtype": c.dtype,
                           **item.variant(c.train_extra).train}
+            if d["train"].get("error_compensation") != "none":  # a file of another walk is another file
+                d["train"].setdefault("compensation_sweep", DEFAULT_SWEEP)
         return d
 
     def items(self, sizes: tuple[int, ...]) -> list:

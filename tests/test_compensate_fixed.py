@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from voodoo_quant.candidates import compensate
+from voodoo_quant.candidates import compensate, grid_probe
 from voodoo_quant.core import ggml
 from voodoo_quant.core import qtypes as qt
 from voodoo_quant.candidates.cache import CandidateCache
@@ -118,12 +118,12 @@ def _textbook_sweep(m, q, imatrix, U, dead, lib, B):
 def test_the_candidate_is_the_quantizers_output_for_w_prime_every_time(q):
     lib = ggml.lib()
     W, _, H, imx = _problem(rows=16, n=512, tokens=2048, seed=9)
-    c = Compensation(H, 0.1)
+    c = Compensation(H, 0.1, "fixed")
     assert c.sweep == "fixed"
     m = compensated_matrix(W, q, imx, c)
     data = quantize_compensated(W, q, imx, c)
     assert data == lib.quantize(m, q, imx)  # the bytes are libggml-base's for the returned W'
-    assert data == quantize_compensated(W, q, imx, Compensation(H.copy(), 0.1))  # deterministic
+    assert data == quantize_compensated(W, q, imx, Compensation(H.copy(), 0.1, "fixed"))  # deterministic
     assert data != lib.quantize(W, q, imx)
 
 
@@ -133,7 +133,7 @@ def test_the_fixed_sweep_is_no_worse_than_the_per_step_one(q):
     random problems; 0.89-1.0x on SmolLM2's ffn_down): the superblock it hands the quantizer holds
     values its scales represent, so the error passed on is the file's."""
     W, X, H, imx = _problem(seed=10)
-    fixed = _out_err(W, quantize_compensated(W, q, imx, Compensation(H, 0.01)), q, X)
+    fixed = _out_err(W, quantize_compensated(W, q, imx, Compensation(H, 0.01, "fixed")), q, X)
     per_step = _out_err(W, quantize_compensated(W, q, imx, Compensation(H, 0.01, "requant")), q, X)
     assert fixed < 1.02 * per_step, (fixed, per_step)
 
@@ -142,7 +142,7 @@ def test_sweeps_key_the_cache_apart_and_refuse_unknown_names():
     from voodoo_quant.core.errors import QuantizationInputError
 
     _, _, H, _ = _problem(rows=4, n=256, tokens=512, seed=11)
-    assert Compensation(H, 0.1).digest != Compensation(H, 0.1, "requant").digest
+    assert Compensation(H, 0.1, "fixed").digest != Compensation(H, 0.1, "requant").digest
     with pytest.raises(QuantizationInputError, match="sweep"):
         Compensation(H, 0.1, "fast")
 
@@ -152,7 +152,7 @@ def test_export_writes_the_recorded_bytes_or_refuses(tmp_path):
     from voodoo_quant.tools.export import candidate_bytes
 
     W, _, H, imx = _problem(rows=16, n=256, tokens=1024, seed=12)
-    c = Compensation(H, 0.1)
+    c = Compensation(H, 0.1, "fixed")
     cache = CandidateCache(tmp_path)
     trained = quantize_compensated(W, "Q4_K", imx, c)
     want = hashlib.sha256(trained).hexdigest()
@@ -165,7 +165,7 @@ def test_export_writes_the_recorded_bytes_or_refuses(tmp_path):
     finally:
         compensate.compensated_matrix = real
     # an entry under the right key whose bytes are not training's is not written: computed again
-    other = quantize_compensated(W, "Q4_K", imx, Compensation(H, 0.3))
+    other = quantize_compensated(W, "Q4_K", imx, Compensation(H, 0.3, "fixed"))
     assert other != trained
     cache.put(key, other)
     assert candidate_bytes(cache, W, "Q4_K", imx, c, want, name="w") == trained
@@ -201,7 +201,7 @@ def test_a_grid_superblock_is_quantized_at_every_step_but_the_rows_last(monkeypa
     still hands libggml-base W' for the bytes."""
     lib = ggml.lib()
     W, _, H, imx = _problem(rows=8, n=512, tokens=1024, seed=13)
-    c = Compensation(H, 0.1)
+    c = Compensation(H, 0.1, "fixed")
     assert compensate.GRID_STEPS is None and "IQ3_S" not in compensate.PACKED
     counted = _Counted(lib)
     m = compensated_matrix(W, "IQ3_S", imx, c, counted)
@@ -222,10 +222,10 @@ def test_a_packed_step_is_quantized_as_one_probe_of_its_own_columns(monkeypatch)
     monkeypatch.setattr(compensate, "PACKED", frozenset({"IQ2_XXS"}))
     W, _, H, imx = _problem(rows=12, n=512, tokens=1024, seed=14)
     counted = _Counted(lib)
-    compensated_matrix(W, "IQ2_XXS", imx, Compensation(H, 0.1), counted)
+    compensated_matrix(W, "IQ2_XXS", imx, Compensation(H, 0.1, "fixed"), counted)
     assert counted.calls == 512 // 32 - 1 and counted.weights == counted.calls * 16 * 32
     x = torch.from_numpy(W[:, 64:96].copy())
-    Q = compensate._packed_rounding(x, qt.get("IQ2_XXS"), imx[64:96], lib, 256).numpy()
+    Q = grid_probe.probe_rounding(x, qt.get("IQ2_XXS"), imx[64:96], lib, 256).numpy()
     probe = np.concatenate([W[:8, 64:96].reshape(1, 256), np.concatenate(
         [W[8:, 64:96], np.zeros((4, 32), np.float32)]).reshape(1, 256)])
     want = lib.dequantize(lib.quantize(probe, "IQ2_XXS", np.tile(imx[64:96], 8)), "IQ2_XXS", probe.shape)
@@ -236,9 +236,9 @@ def test_the_packed_walk_is_within_two_percent_of_the_per_step_one(monkeypatch):
     """Measured 1.008-1.021x the per-step walk's layer error for IQ2_XXS at 2.0-2.5x a plain
     candidate's cost, against 9.0-9.8x (bench/compensation_cost.py --sweeps fixed-step,fixed-pack)."""
     W, X, H, imx = _problem(seed=10)
-    per_step = _out_err(W, quantize_compensated(W, "IQ2_XXS", imx, Compensation(H, 0.01)), "IQ2_XXS", X)
+    per_step = _out_err(W, quantize_compensated(W, "IQ2_XXS", imx, Compensation(H, 0.01, "fixed")), "IQ2_XXS", X)
     monkeypatch.setattr(compensate, "PACKED", frozenset({"IQ2_XXS"}))
-    packed = _out_err(W, quantize_compensated(W, "IQ2_XXS", imx, Compensation(H, 0.01)), "IQ2_XXS", X)
+    packed = _out_err(W, quantize_compensated(W, "IQ2_XXS", imx, Compensation(H, 0.01, "fixed")), "IQ2_XXS", X)
     assert packed != per_step and packed < 1.02 * per_step, (packed, per_step)
 
 
@@ -249,12 +249,12 @@ def test_the_packed_sweep_walks_every_grid_type_with_the_probe(q):
     lib = ggml.lib()
     W, _, H, imx = _problem(rows=12, n=512, tokens=1024, seed=15)
     c = Compensation(H, 0.1, "packed")
-    assert c.digest != Compensation(H, 0.1).digest
+    assert c.digest != Compensation(H, 0.1, "fixed").digest
     counted = _Counted(lib)
     m = compensated_matrix(W, q, imx, c, counted)
     assert counted.calls == 512 // 32 - 1 and counted.weights == counted.calls * 16 * 32
     assert quantize_compensated(W, q, imx, c) == lib.quantize(m, q, imx)
-    fixed = compensated_matrix(W, q, imx, Compensation(H, 0.1))
+    fixed = compensated_matrix(W, q, imx, Compensation(H, 0.1, "fixed"))
     assert not np.array_equal(m, fixed)
     # the K-quants and 32-block types walk as in "fixed"
-    assert np.array_equal(compensated_matrix(W, "Q4_K", imx, c), compensated_matrix(W, "Q4_K", imx, Compensation(H, 0.1)))
+    assert np.array_equal(compensated_matrix(W, "Q4_K", imx, c), compensated_matrix(W, "Q4_K", imx, Compensation(H, 0.1, "fixed")))

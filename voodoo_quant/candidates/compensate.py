@@ -19,24 +19,28 @@ GPTQ, with a ggml block's columns fixed at once because they share a scale). A s
 32, or one 32-column sub-block of a 256-weight superblock. How the step's rounding Q is obtained
 is the sweep (:attr:`Compensation.sweep`):
 
-- ``"fixed"`` (:func:`_sweep_fixed`, the default): a 32-block is quantized by libggml-base as the
+- ``"ruled"`` (:func:`_sweep_fixed`, the default): a 32-block is quantized by libggml-base as the
   walk reaches it. A superblock of :data:`fixed_rounding.SWEEP_TYPES` (K-quants, IQ4_XS) is
   quantized once, when the walk reaches it; its later steps are rounded in torch with that
   quantization's scales held fixed, and W' holds the rounded values (values its scales represent,
   which libggml-base quantizes back to nearly themselves, so the error passed on is the file's).
-  A grid IQ superblock (IQ1–IQ3) is quantized again at every step: libggml-base does not quantize
-  their rounded values back to themselves (measured: 8–36 % more layer error with a fixed-scale
-  oracle; requantizing every 2nd–8th step only, 8–37 %). Except for :data:`PACKED` (IQ2_XXS): a
-  sub-block's codes there depend on its own 32 values (the superblock adds only its scale's ruler
-  and the weights' sigma²), so a step is rounded by libggml-base on a probe holding the step's
-  columns of 8 rows side by side as one 256-wide row, a call on rows × 32 weights instead of
-  rows × 256 (measured 1.008–1.021× the per-step walk's layer objective; 1.007–1.07× for the
-  other grid types, which stay per step; docs/lab/2026-12-05-grid-compensation.md). ``"packed"``
-  is this sweep with every grid IQ type (:data:`PACKED_SWEEP`) rounded from the probe. float32, updates
-  applied a group at a time; the factor from one Cholesky of the order-reversed H. Cost per
-  candidate (``bench/compensation_cost.py``): 1.9–4.0× a plain one for the K-quants and IQ4_XS,
-  9–11× for the grid IQ types (packed: 2.1–2.5×); the default menu on a real model's tensors 8.7×
-  (packed 2.6×; ``bench/compensation_objective.py``).
+  A grid IQ superblock (IQ1–IQ3, :data:`RULED_SWEEP`) is quantized once when the walk reaches it
+  (its first step's rounding); each later step's grid points come from libggml-base on a probe
+  holding the step's columns of 8 rows side by side as one superblock, each position weighted as
+  its own row's superblock weighs it, and the step's scale is coded against the row superblock's
+  largest (grid_probe.py: a grid superblock's sub-block picks its points from its own values and
+  the superblock's σ², and its scale from the superblock's largest). W' holds the updated weights.
+  Measured on the 1.5B benchmark model's tensors: 0.998–1.007× the layer error of ``"fixed"``
+  at 3.2–4.3× a plain candidate's time against 8.6–9.7× (docs/lab/2026-12-06-ruled-probe.md).
+- ``"fixed"``: as ``"ruled"``, but a grid IQ superblock is quantized again at every step, a
+  libggml-base call on the whole superblock for each of its 8 steps (measured with a fixed-scale
+  oracle instead: 8–36 % more layer error; requantizing every 2nd–8th step only, 8–37 %).
+- ``"packed"``: as ``"ruled"``, but each grid IQ step is rounded by the probe with the imatrix
+  slice repeated (the probe's σ²) and the probe's own scale ruler: 2.1–2.7× a plain candidate,
+  and 4–30 % more layer error than ``"fixed"`` on real tensors (the probe's rounding is as good
+  as the file's but not the file's). :data:`PACKED` walks named types so under ``"fixed"``
+  (a measured variant). float32, updates applied a group at a time; the factor from one Cholesky
+  of the order-reversed H (``bench/compensation_cost.py``, ``bench/compensation_objective.py``).
 - ``"requant"`` (the walk of assignments made before the sweep was a choice): the superblock is
   quantized again after each of its sub-blocks, float64; except for the types of
   :data:`WHOLE_SUPERBLOCK`, whose superblock is one step (their sub-block scales are coded against
@@ -63,11 +67,12 @@ import numpy as np
 from ..core import ggml
 from ..core import qtypes as qt
 from ..core.errors import QuantizationInputError
+from . import grid_probe
 
 ALGORITHM = "gptq-blocks/2"  # the "requant" sweep; /2: whole-superblock steps for WHOLE_SUPERBLOCK (Q5_K)
-FIXED_ALGORITHM = "gptq-fixed/2"  # the "fixed" sweep (:func:`_sweep_fixed`); a PACKED type adds "+pack"
-SWEEPS = ("fixed", "packed", "requant")
-DEFAULT_SWEEP = "fixed"
+FIXED_ALGORITHM = "gptq-fixed/2"  # the "ruled", "fixed" and "packed" sweeps (:func:`_sweep_fixed`; the digest adds which)
+SWEEPS = ("ruled", "fixed", "packed", "requant")
+DEFAULT_SWEEP = "ruled"
 DEFAULT_DAMP = 0.1
 LAZY = 128  # columns of a 32-block type updated together before the rest of the row (one GEMM)
 STEP = 32  # columns fixed per step: a block, or a 256-superblock's sub-block (its scale's span)
@@ -84,20 +89,27 @@ GRID_HOLD = False
 # reached it), or with GRID_PASS_ROUND those values' scales and the torch rounding
 GRID_PASSES = 0
 GRID_PASS_ROUND = False
-# the grid types whose step is rounded from a probe (:func:`_packed_rounding`): the step's 32 columns
+# the grid types whose step is rounded from a probe (:func:`grid_probe.probe_rounding`): the step's 32 columns
 # of 8 rows side by side as one 256-wide row (the imatrix slice repeated), quantized by libggml-base
 # (rows × 32 weights a step, not rows × 256). Measured (docs/lab/2026-12-05-grid-compensation.md):
 # IQ2_XXS 1.008-1.021x the per-step walk's layer objective at 2.0-2.5x a plain candidate's cost
 # (per step: 9.0-9.8x); IQ2_S 1.016-1.035x, IQ1_S 1.007-1.029x, IQ3_S 1.05-1.07x. None by default
 # until the files' KLD on the benchmark says the ~1-2 % of layer error costs nothing.
 PACKED: frozenset = frozenset()
-# the "packed" sweep: the "fixed" sweep with every grid IQ type's step rounded from the probe. On
+# the "packed" and "ruled" sweeps: the "fixed" sweep with every grid IQ type's step rounded from a probe. On
 # the 1.5B benchmark model's own tensors (docs/lab/2026-12-06-compensation-on-real-tensors.md) it
 # left 1.07x (IQ2_XXS) to 1.25x (IQ3_S) the per-step walk's layer error at 2.7x plain per menu
 # (fixed: 8.8x): the probe's rounding is as good as the file's but not the file's (a sub-block's
 # scale is coded against another ruler), so the walk passes on an error the file does not have
 PACKED_SWEEP = frozenset({"IQ3_S", "IQ2_S", "IQ2_XXS", "IQ1_S"})
+# the "ruled" sweep's: every grid IQ type (grid_probe.RULES: their scale rule checked against libggml-base)
+RULED_SWEEP = frozenset(grid_probe.RULES)
 PACK_NORM = "rms"  # a probe row's norm: its superblock's RMS ("max": its largest 32-column RMS; measured)
+# the weights a probe's search uses (grid_probe.py): "probe", the imatrix slice repeated (the
+# probe superblock's σ², not the row's); "row", each position weighted as its row's own superblock
+# would weigh it, so the probe's grid choice is the row's
+PACK_WEIGHTS = "probe"
+PACK_WEIGHT_MODES = grid_probe.WEIGHT_MODES
 
 
 @dataclass(frozen=True)
@@ -155,6 +167,10 @@ class Compensation:
             algo = f"{ALGORITHM}|{','.join(sorted(WHOLE_SUPERBLOCK))}" if self.sweep == "requant" else FIXED_ALGORITHM
             if self.sweep == "packed":
                 algo += f"|packed={','.join(sorted(PACKED_SWEEP))}:{PACK_NORM}"
+            if self.sweep == "ruled":
+                algo += f"|ruled={','.join(sorted(RULED_SWEEP))}:{PACK_NORM}"
+            elif (self.sweep == "packed" or PACKED) and PACK_WEIGHTS != "probe":
+                algo += f"|weights={PACK_WEIGHTS}"
             if self.sweep != "requant" and (PACKED or GRID_STEPS is not None or GRID_HOLD or GRID_PASSES):
                 # a measured variant of the walk (bench/compensation_cost.py): never the default's entries
                 algo += f"|pack={','.join(sorted(PACKED))}:{PACK_NORM}|steps={sorted(GRID_STEPS or ())}" \
@@ -272,8 +288,8 @@ def compensated_matrix(matrix: np.ndarray, qtype: str | qt.QType, imatrix: np.nd
         if U is None:
             return m
         if comp.sweep != "requant":  # dead columns: no update reaches them, no error leaves them
-            packed = PACKED_SWEEP if comp.sweep == "packed" else PACKED
-            return np.ascontiguousarray(_sweep_fixed(m, q, imatrix, U, dead, lib, B, packed))
+            packed = {"packed": PACKED_SWEEP, "ruled": RULED_SWEEP}.get(comp.sweep, PACKED)
+            return np.ascontiguousarray(_sweep_fixed(m, q, imatrix, U, dead, lib, B, packed, ruled=comp.sweep == "ruled"))
         W = torch.from_numpy(m.astype(np.float64))
         live = torch.from_numpy(~dead)
         step = B if q.name in WHOLE_SUPERBLOCK else min(B, STEP)
@@ -296,8 +312,9 @@ def compensated_matrix(matrix: np.ndarray, qtype: str | qt.QType, imatrix: np.nd
 
 
 def _sweep_fixed(m: np.ndarray, q: qt.QType, imatrix, M, dead, lib, B: int,
-                 packed: frozenset = frozenset()) -> np.ndarray:
-    """The "fixed" sweep, in float32: W' for `m` with the error of every 32 columns passed on.
+                 packed: frozenset = frozenset(), *, ruled: bool = False) -> np.ndarray:
+    """The "ruled", "fixed" and "packed" sweeps, in float32: W' for `m` with the error of every 32
+    columns passed on.
 
     A superblock type of :data:`fixed_rounding.SWEEP_TYPES` (the K-quants, IQ4_XS) is quantized
     by libggml-base once per superblock, when the walk reaches it; its first 32-column step takes
@@ -305,10 +322,13 @@ def _sweep_fixed(m: np.ndarray, q: qt.QType, imatrix, M, dead, lib, B: int,
     (fixed_rounding.py), and W' holds the rounded values: a superblock of values the quantizer's
     scales represent exactly, which libggml-base quantizes back to (nearly) the same values, so
     the error passed on is the file's. A step of a `packed` type is rounded by libggml-base
-    on a probe of 8 rows' step columns (:func:`_packed_rounding`). Any other type (its block of
-    32, or a grid IQ superblock) is quantized by libggml-base at every step, as the "requant"
-    sweep does; for these and the packed types W' holds the updated weights, and the row's last
-    step (no later column to take its error) is not quantized.
+    on a probe of 8 rows' step columns (:func:`grid_probe.probe_rounding`); with `ruled`, each of
+    its superblocks is quantized when the walk reaches it (the first step's rounding) and the
+    later steps' scales are coded against that superblock's ruler
+    (:class:`grid_probe.SuperblockRuler`). Any other type (its block of 32, or a grid IQ
+    superblock) is quantized by libggml-base at every step, as the "requant" sweep does; for
+    these and the packed types W' holds the updated weights, and the row's last step (no later
+    column to take its error) is not quantized.
 
     The walk goes a group at a time (the superblock, or :data:`LAZY` columns of 32-blocks), from
     M, the upper factor of H = M Mᵀ (:func:`_reversed_factor`). With the columns before a group G
@@ -338,6 +358,8 @@ def _sweep_fixed(m: np.ndarray, q: qt.QType, imatrix, M, dead, lib, B: int,
     hold = fixed or (steps is not None and GRID_HOLD)
     passes = int(GRID_PASSES) if grid else 0
     pack = grid and q.name in packed
+    ruled = pack and ruled and grid_probe.supports(q)
+    ruler = None
     for g0 in range(0, n, group):
         g1 = min(n, g0 + group)
         Ug = torch.linalg.solve_triangular(M[g0:g1, g0:g1].double(), torch.eye(g1 - g0, dtype=torch.float64),
@@ -356,13 +378,21 @@ def _sweep_fixed(m: np.ndarray, q: qt.QType, imatrix, M, dead, lib, B: int,
                 b0 = (c0 // B) * B  # the block holding the step, local
                 if scales is not None and (fixed or (c0 - b0) // step not in steps):
                     Qs = scales.round(W[:, c0:c1], c0 - b0, c1 - b0)
+                elif pack and ruled and c0 == b0:  # the walk reaches the superblock: quantized as it stands
+                    ruler = grid_probe.SuperblockRuler(W[:, b0:b0 + B], q, None if vg is None else vg[b0:b0 + B], lib)
+                    Qs = ruler.first[:, :step]
                 elif pack:
                     sq = W[:, b0:b0 + B].square()
                     norm = (sq.mean(1, keepdim=True) if PACK_NORM == "rms" else
                             sq.reshape(rows, -1, step).mean(2).amax(1, keepdim=True)).sqrt()
                     norm = torch.where(norm > 0, norm, torch.ones_like(norm))
                     v = None if vg is None else vg[c0:c1]
-                    Qs = _packed_rounding(W[:, c0:c1] / norm, q, v, lib, B) * norm
+                    ms = sq.mean(1) / norm.squeeze(1).square()  # the row's superblock's mean square, normalized
+                    if ruled:
+                        vals, code = grid_probe.probe_rounding(W[:, c0:c1] / norm, q, v, lib, B, ms, "row", codes=True)
+                        Qs = ruler.round(c0 - b0, W[:, b0:b0 + B], code, vals * norm)
+                    else:
+                        Qs = grid_probe.probe_rounding(W[:, c0:c1] / norm, q, v, lib, B, ms, PACK_WEIGHTS) * norm
                 else:
                     blk = np.ascontiguousarray(W[:, b0:b0 + B].numpy())
                     v = None if vg is None else vg[b0:b0 + B]
@@ -380,25 +410,6 @@ def _sweep_fixed(m: np.ndarray, q: qt.QType, imatrix, M, dead, lib, B: int,
         if g1 < n:
             out[:, g1:] += ((W0[:, g0:g1] - Q) * live[g0:g1]) @ M[g0:g1, g1:]
     return out.numpy()
-
-
-def _packed_rounding(x, q: qt.QType, v, lib, B: int):
-    """The rounding of `x` (rows × 32) that libggml-base gives when the 32 columns of B/32 rows
-    are laid side by side as one B-wide row (rows padded with zeros). The walk hands it each row
-    divided by the RMS of its superblock (and scales the result back): rows of different norms
-    would otherwise share one scale ruler (the probe's largest sub-block scale), and the small
-    rows' scales would be rounded far more coarsely than in their own superblock (measured:
-    1.06–1.11× the per-step walk's error with rows spread by exp(N(0, 0.5–1)))."""
-    import torch
-
-    rows, w = x.shape
-    per = B // w
-    pad = (-rows) % per
-    blk = x if not pad else torch.cat([x, torch.zeros(pad, w, dtype=x.dtype)])
-    probe = np.ascontiguousarray(blk.numpy().reshape(-1, B))
-    vv = None if v is None else np.ascontiguousarray(np.tile(v, per))
-    data = lib.quantize(probe, q, vv, name="compensation", workers=1)
-    return torch.from_numpy(lib.dequantize(data, q, probe.shape, name="compensation").reshape(-1, w)[:rows])
 
 
 def _superblock_passes(start, q: qt.QType, v, U, live, lib, passes: int, rnd: bool):
