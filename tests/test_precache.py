@@ -75,3 +75,51 @@ def test_scheduling_costs_put_slow_types_first():
     n = 4096 * 4096
     assert job_cost("IQ3_S", n, False) > job_cost("Q4_K", n, True) > job_cost("Q4_K", n, False) > job_cost("Q8_0", n, False)
     assert job_cost("Q4_K", 2 * n, False) == 2 * job_cost("Q4_K", n, False)
+
+
+def _gone(pid: int) -> bool:
+    """No such process, or a zombie nobody reaps (the container's init may not)."""
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return any(line.startswith("State:") and "Z" in line.split()[1] for line in f)
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_killed_run_takes_its_busy_pool_workers_with_it(tmp_path):
+    """A run killed with SIGKILL (no cleanup runs) while a pool worker is in a job leaves no
+    worker behind: the job would otherwise run to its end (here 120 s)."""
+    import subprocess
+    import sys
+    import textwrap
+    import time
+
+    script = tmp_path / "run.py"
+    script.write_text(textwrap.dedent("""
+        import os, signal, sys, time
+        from voodoo_quant.candidates.precache import QuantPool
+        if __name__ == "__main__":
+            pool = QuantPool(1)
+            print(pool.submit(os.getpid).result(), flush=True)
+            pool.submit(time.sleep, 120)
+            time.sleep(1.0)
+            os.kill(os.getpid(), signal.SIGKILL)
+    """))
+    run = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    worker = int(run.stdout.readline())  # not read to its end: an orphaned worker would hold the pipe open
+    run.wait(timeout=120)
+    run.stdout.close()
+    deadline = time.monotonic() + 20
+    while not _gone(worker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    gone = _gone(worker)
+    if not gone:
+        __import__("os").kill(worker, 9)
+    assert gone, "the pool's worker outlived the killed run"

@@ -39,11 +39,13 @@ from ..quants import decompose
 SIGMA2_SCALE = {"IQ2_XXS": 1.0, "IQ2_XS": 1.0, "IQ2_S": 2.0, "IQ3_XXS": 2.0, "IQ3_S": 2.0, "IQ1_S": 2.0, "IQ1_M": 2.0}
 # stage 2 of each grid type: (DIV, LMAX, weights per scale, the dequantizer's grid unit: a stored
 # magnitude c is the search's level 2·round((c/unit − 1)/2) + 1; None: the code is the level).
-# Checked against libggml-base's bytes (tests/test_grid_probe.py).
+# Checked against libggml-base's bytes (tests/test_grid_probe.py). IQ1_M then refits its ruler over
+# the whole superblock (its K is not proportional to max s), so the walk does not rule it.
 RULES = {"IQ2_XXS": (31, 15, 32, 8), "IQ2_XS": (31, 15, 16, 8), "IQ2_S": (31, 15, 16, 8),
          "IQ3_XXS": (31, 15, 32, 4), "IQ3_S": (31, 15, 32, None), "IQ1_S": (15, 7, 32, None),
          "IQ1_M": (15, 7, 16, None)}
 WEIGHT_MODES = ("probe", "row")
+DT = torch.float32  # the ruler's arithmetic, as the walk's (float64 took 1.07x the time; the two differ where a near tie falls the other way)
 
 
 def supports(qtype: str | qt.QType) -> bool:
@@ -51,11 +53,11 @@ def supports(qtype: str | qt.QType) -> bool:
 
 
 def search_weights(x: torch.Tensor, ms: torch.Tensor, q: qt.QType, v) -> torch.Tensor:
-    """The weight libggml-base's search gives each value of `x` (rows × w, float64) in a row
+    """The weight libggml-base's search gives each value of `x` (rows × w) in a row
     superblock of mean square `ms` (rows,), with imatrix slice `v` (w values, or None)."""
-    s2 = SIGMA2_SCALE[q.name] * ms.to(torch.float64).unsqueeze(1)
+    s2 = SIGMA2_SCALE[q.name] * ms.to(x.dtype).unsqueeze(1)
     if v is not None:
-        return torch.as_tensor(np.asarray(v, dtype=np.float64)).unsqueeze(0) * (s2 + x * x).sqrt()
+        return torch.as_tensor(np.asarray(v), dtype=x.dtype).unsqueeze(0) * (s2 + x * x).sqrt()
     return 0.25 * s2 + x * x if q.name == "IQ2_S" else x * x
 
 
@@ -105,16 +107,16 @@ def probe_rounding(x: torch.Tensor, q: qt.QType, v, lib, B: int, row_ms: torch.T
 
 
 def levels(code: torch.Tensor, q: qt.QType) -> torch.Tensor:
-    """The search's levels (float64) of the dequantizer's codes: the values whose weighted
+    """The search's levels of the dequantizer's codes: the values whose weighted
     least-squares fit is a sub-block's scale ``s``."""
     unit = RULES[q.name][3]
-    c = code.to(torch.float64)
+    c = code.to(DT)
     return c if unit is None else c.sign() * (2 * torch.round((c.abs() / unit - 1) / 2) + 1)
 
 
 def fit(x: torch.Tensor, lev: torch.Tensor, wt: torch.Tensor, g: int) -> torch.Tensor:
     """Each `g`-value group's scale s = Σ w·x·level / Σ w·level² (rows × groups; 0 where the
-    group is empty), all float64."""
+    group is empty)."""
     rows = x.shape[0]
     x, lev, wt = (t.reshape(rows, -1, g) for t in (x, lev, wt))
     den = (wt * lev * lev).sum(2)
@@ -142,11 +144,11 @@ class SuperblockRuler:
         code = a.code.float().reshape(rows, B)
         self.first = (a.scale.unsqueeze(-1) * a.code.float()).reshape(rows, B)
         self.levels = levels(code, q)
-        x = blk.to(torch.float64)
+        x = blk.to(DT)
         self.s = fit(x, self.levels, search_weights(x, x.square().mean(1), q, v), self.g)  # rows × groups
         m = self.s.amax(1)
         l = self._code(self.s, m.unsqueeze(1))
-        stored = a.scale.to(torch.float64).reshape(rows, -1)  # per dequantizer sub-block
+        stored = a.scale.to(DT).reshape(rows, -1)  # per dequantizer sub-block
         per = stored.shape[1] // self.s.shape[1]
         K = stored[:, ::per] / (2 * l + 1)  # the same for every group of a row (the check in the tests)
         top = self.s.argmax(1, keepdim=True)
@@ -161,8 +163,8 @@ class SuperblockRuler:
         """The values of columns c0:c0+32 (float32, rows × 32) of `blk`, the superblock as it
         stands, given the probe's codes and values of those columns."""
         c1 = c0 + probe_code.shape[1]
-        ms = blk.to(torch.float64).square().mean(1)
-        x = blk[:, c0:].to(torch.float64)  # the step and the columns after it
+        ms = blk.to(DT).square().mean(1)
+        x = blk[:, c0:].to(DT)  # the step and the columns after it
         wt = search_weights(x, ms, self.q, None if self.v is None else self.v[c0:])
         j0, j1, w = c0 // self.g, c1 // self.g, c1 - c0
         s_now = fit(x[:, :w], levels(probe_code, self.q), wt[:, :w], self.g)
@@ -170,7 +172,7 @@ class SuperblockRuler:
         m = torch.cat([self.s[:, :j0], s_now, later], 1).amax(1, keepdim=True)
         l = self._code(s_now, m)
         K = self.k_per_s.unsqueeze(1) * m  # rows × 1
-        vals = (K * (2 * l + 1)).repeat_interleave(self.g, 1) * probe_code.to(torch.float64)
+        vals = (K * (2 * l + 1)).repeat_interleave(self.g, 1) * probe_code.to(DT)
         self.s[:, j0:j1] = s_now
         # a row whose superblock quantized to zero has no ruler: the probe's own values
-        return torch.where((self.k_per_s > 0).unsqueeze(1), vals, probe_vals.to(torch.float64)).to(torch.float32)
+        return torch.where((self.k_per_s > 0).unsqueeze(1), vals, probe_vals.to(DT)).to(torch.float32)

@@ -11,6 +11,7 @@ blob per type; workers write the cache entry themselves and send back only sizes
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import time
@@ -73,7 +74,28 @@ def job_cost(qtype: str, n_elements: int, with_imatrix: bool) -> float:
 
 
 # -- worker side ---------------------------------------------------------------------------------
-def _worker_init(lib_path: str | None, iq_types: tuple[str, ...]) -> None:
+def _die_with_parent(parent: int) -> None:
+    """Have the kernel stop this worker when the thread that made the pool (the product makes
+    its pools on the main thread) dies (Linux ``PR_SET_PDEATHSIG``; elsewhere nothing): a run that
+    is killed would otherwise leave its workers on their current job, a compensated walk of a
+    large tensor for minutes."""
+    import ctypes
+    import signal
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # no prctl to call: the worker ends with its job, as before
+        return
+    if os.getppid() != parent:  # the parent died before the signal was set
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _worker_init(lib_path: str | None, iq_types: tuple[str, ...], parent: int | None = None) -> None:
+    if parent is not None:
+        _die_with_parent(parent)
     lib = ggml.lib(lib_path)
     for t in iq_types:
         lib._ensure_init(qt.get(t))
@@ -102,7 +124,7 @@ class QuantPool:
         iq = tuple(sorted({qt.get(t).name for t in iq_types if qt.get(t).name.startswith("IQ")}))
         # spawn: forking a process that already runs torch/OpenMP threads can deadlock.
         self._ex = ProcessPoolExecutor(max_workers=self.workers, mp_context=get_context("spawn"),
-                                       initializer=_worker_init, initargs=(self.lib_path, iq))
+                                       initializer=_worker_init, initargs=(self.lib_path, iq, os.getpid()))
 
     def submit(self, fn, *args) -> Future:
         return self._ex.submit(fn, *args)
