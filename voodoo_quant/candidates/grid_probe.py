@@ -127,8 +127,8 @@ def fit(x: torch.Tensor, lev: torch.Tensor, wt: torch.Tensor, g: int) -> torch.T
 class SuperblockRuler:
     """The file's scales for one grid superblock (rows × 256) walked a step at a time.
 
-    Made when the walk reaches the superblock: libggml-base quantizes it as it stands (
-    :attr:`first`, the first step's rounding, is that quantization's), and the ruler keeps each
+    Made when the walk reaches the superblock: libggml-base quantizes it as it stands
+    (:attr:`first`, the first step's rounding, is that quantization's), and the ruler keeps each
     group's levels and the superblock's ``K / max s``. :meth:`round` gives a later step's values
     from the probe's codes of that step: its groups' ``s`` fitted on the probe's levels, coded
     against the largest ``s`` of the superblock (groups walked: as fitted at their step; the
