@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
                     row[f"{s}_s"] = secs
                     row[f"{s}_obj"] = objective(W, lib.dequantize(data, q, W.shape, name=t), H)
                 if a.probe_rounding and q in compensate.RULED_SWEEP:
-                    for mode in compensate.PACK_WEIGHT_MODES:
+                    for mode in grid_probe.WEIGHT_MODES:
                         base("packed")
                         compensate.PACK_WEIGHTS = mode
                         row[f"probe_{mode}"] = p = probe_rounding(W, q, vec, H, lib)

@@ -30,14 +30,15 @@ is the sweep (:attr:`Compensation.sweep`):
   its own row's superblock weighs it, and the step's scale is coded against the row superblock's
   largest (grid_probe.py: a grid superblock's sub-block picks its points from its own values and
   the superblock's σ², and its scale from the superblock's largest). W' holds the updated weights.
-  Measured on the 1.5B benchmark model's tensors: 0.998–1.007× the layer error of ``"fixed"``
-  at 3.2–4.3× a plain candidate's time against 8.6–9.7× (docs/lab/2026-12-06-ruled-probe.md).
+  Measured on the 1.5B benchmark model's tensors: 1.001–1.007× the layer error of ``"fixed"``
+  per type (0.998–1.013× per tensor) at 4.1–5.2× a plain candidate's time against 9.6–10.0×
+  (docs/lab/2026-12-06-ruled-probe.md).
 - ``"fixed"``: as ``"ruled"``, but a grid IQ superblock is quantized again at every step, a
   libggml-base call on the whole superblock for each of its 8 steps (measured with a fixed-scale
   oracle instead: 8–36 % more layer error; requantizing every 2nd–8th step only, 8–37 %).
 - ``"packed"``: as ``"ruled"``, but each grid IQ step is rounded by the probe with the imatrix
-  slice repeated (the probe's σ²) and the probe's own scale ruler: 2.1–2.7× a plain candidate,
-  and 4–30 % more layer error than ``"fixed"`` on real tensors (the probe's rounding is as good
+  slice repeated (the probe's σ²) and the probe's own scale ruler: 2.4–3.0× a plain candidate,
+  and 4–75 % more layer error than ``"fixed"`` on real tensors (the probe's rounding is as good
   as the file's but not the file's). :data:`PACKED` walks named types so under ``"fixed"``
   (a measured variant). float32, updates applied a group at a time; the factor from one Cholesky
   of the order-reversed H (``bench/compensation_cost.py``, ``bench/compensation_objective.py``).
@@ -96,7 +97,7 @@ GRID_PASS_ROUND = False
 # (per step: 9.0-9.8x); IQ2_S 1.016-1.035x, IQ1_S 1.007-1.029x, IQ3_S 1.05-1.07x. None by default
 # until the files' KLD on the benchmark says the ~1-2 % of layer error costs nothing.
 PACKED: frozenset = frozenset()
-# the "packed" and "ruled" sweeps: the "fixed" sweep with every grid IQ type's step rounded from a probe. On
+# the "packed" sweep: the "fixed" sweep with every grid IQ type's step rounded from the probe. On
 # the 1.5B benchmark model's own tensors (docs/lab/2026-12-06-compensation-on-real-tensors.md) it
 # left 1.07x (IQ2_XXS) to 1.25x (IQ3_S) the per-step walk's layer error at 2.7x plain per menu
 # (fixed: 8.8x): the probe's rounding is as good as the file's but not the file's (a sub-block's
@@ -111,8 +112,7 @@ PACK_NORM = "rms"  # a probe row's norm: its superblock's RMS ("max": its larges
 # the weights a probe's search uses (grid_probe.py): "probe", the imatrix slice repeated (the
 # probe superblock's σ², not the row's); "row", each position weighted as its row's own superblock
 # would weigh it, so the probe's grid choice is the row's
-PACK_WEIGHTS = "probe"
-PACK_WEIGHT_MODES = grid_probe.WEIGHT_MODES
+PACK_WEIGHTS = "probe"  # one of grid_probe.WEIGHT_MODES
 
 
 @dataclass(frozen=True)
@@ -361,7 +361,7 @@ def _sweep_fixed(m: np.ndarray, q: qt.QType, imatrix, M, dead, lib, B: int,
     hold = fixed or (steps is not None and GRID_HOLD)
     passes = int(GRID_PASSES) if grid else 0
     pack = grid and q.name in packed
-    ruled = pack and ruled and grid_probe.supports(q)
+    ruled = pack and ruled  # RULED_SWEEP's types, each in grid_probe.RULES
     ruler = None
     for g0 in range(0, n, group):
         g1 = min(n, g0 + group)

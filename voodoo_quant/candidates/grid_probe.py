@@ -48,10 +48,6 @@ WEIGHT_MODES = ("probe", "row")
 DT = torch.float32  # the ruler's arithmetic, as the walk's (float64 took 1.07x the time; the two differ where a near tie falls the other way)
 
 
-def supports(qtype: str | qt.QType) -> bool:
-    return qt.get(qtype).name in RULES
-
-
 def search_weights(x: torch.Tensor, ms: torch.Tensor, q: qt.QType, v) -> torch.Tensor:
     """The weight libggml-base's search gives each value of `x` (rows × w) in a row
     superblock of mean square `ms` (rows,), with imatrix slice `v` (w values, or None)."""
