@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .grid_tables import best_neighbours, lattice, seqsum
+from .grid_tables import best_neighbours, lattice, seqsum, sqrtf
 
 DELTA = 0.125  # IQ1S_DELTA (ggml-common.h)
 NEAR = 1e-4  # relative: candidates this close to the best score are compared as the C code does
@@ -30,16 +30,17 @@ def _cuts(n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     return i1.to(device), i2.to(device)
 
 
-def _score(sx, sw, i1, i2, n, xs):
-    """sumqx, sumq2 of every cut (N × cuts) for level values xs, with the C code's float ops."""
-    a = (sx[:, i1] - sx[:, :1]) * xs[0]
-    b = (sx[:, i2] - sx[:, i1]) * xs[1]
-    c = (sx[:, n:n + 1] - sx[:, i2]) * xs[2]
-    sumqx = (a + b) + c
-    a = ((sw[:, i1] - sw[:, :1]) * xs[0]) * xs[0]
-    b = ((sw[:, i2] - sw[:, i1]) * xs[1]) * xs[1]
-    c = ((sw[:, n:n + 1] - sw[:, i2]) * xs[2]) * xs[2]
-    return sumqx, (a + b) + c
+def _parts(t, i1, i2, n):
+    """The three spans' sums of every cut (N × cuts each) from prefix sums t (N × n+1)."""
+    at1, at2 = t.index_select(1, i1), t.index_select(1, i2)
+    return at1 - t[:, :1], at2 - at1, t[:, n:n + 1] - at2
+
+
+def _score(px, pw, xs):
+    """sumqx, sumq2 of every cut for level values xs, with the C code's float ops."""
+    (a, b, c), (u, v, w) = px, pw
+    sumqx = (a * xs[0] + b * xs[1]) + c * xs[2]
+    return sumqx, ((u * xs[0]) * xs[0] + (v * xs[1]) * xs[1]) + (w * xs[2]) * xs[2]
 
 
 def _replay(qx: torch.Tensor, q2: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
@@ -66,7 +67,7 @@ def search_iq1_s(xs: torch.Tensor, qw: torch.Tensor):
     lat = lattice("IQ1_S", dev)
     S, n = xs.shape[0], 32
     sigma2 = (2 * seqsum(xs * xs)) / 256
-    weight = (qw * torch.sqrt(sigma2[:, None] + xs * xs)).reshape(-1, n)
+    weight = (qw * sqrtf(sigma2[:, None] + xs * xs)).reshape(-1, n)
     x = xs.reshape(-1, n)
     N = x.shape[0]
     dead = x.abs().amax(1) < 1e-12
@@ -79,8 +80,9 @@ def search_iq1_s(xs: torch.Tensor, qw: torch.Tensor):
         sw[:, j + 1] = sw[:, j] + wsort[:, j]
     i1, i2 = _cuts(n, dev)
     xp, xm = (-1 + DELTA, DELTA, 1 + DELTA), (-1 - DELTA, -DELTA, 1 - DELTA)
-    qp, q2p = _score(sx, sw, i1, i2, n, xp)
-    qm, q2m = _score(sx, sw, i1, i2, n, xm)
+    px, pw = _parts(sx, i1, i2, n), _parts(sw, i1, i2, n)
+    qp, q2p = _score(px, pw, xp)
+    qm, q2m = _score(px, pw, xm)
     qx = torch.stack([qp, qm], 2).reshape(N, -1)  # the C order: for each cut, +δ then −δ
     q2 = torch.stack([q2p, q2m], 2).reshape(N, -1)
     valid = q2 > 0

@@ -31,7 +31,7 @@ from ..core import qtypes as qt
 from ..core.errors import QuantizationInputError
 from ..quants import dequantize
 from . import grid_packing
-from .grid_tables import Lattice, best_neighbours, lattice, nearest_int, seqsum
+from .grid_tables import Lattice, best_neighbours, lattice, nearest_int, seqsum, sqrtf
 
 QK = 256
 TYPES = ("IQ2_XXS", "IQ2_S", "IQ3_S", "IQ1_S")
@@ -150,10 +150,10 @@ def _search_iq2_xxs(xs: torch.Tensor, qw: torch.Tensor):
     lat = lattice("IQ2_XXS", xs.device)
     S = xs.shape[0]
     sigma2 = _sigma2(xs, False)
-    weight = qw * torch.sqrt(sigma2[:, None] + xs * xs)
+    weight = qw * sqrtf(sigma2[:, None] + xs * xs)
     x = xs.reshape(-1, 4, 8)
     weight = weight.reshape(-1, 4, 8)
-    waux = torch.sqrt(weight)
+    waux = sqrtf(weight)
     neg = x < 0
     xval = torch.where(neg, -x, x)
     odd = (neg.sum(-1) % 2) == 1  # an odd count of minus signs: flip the one costing least
@@ -195,14 +195,14 @@ def _search_free_signs(xs: torch.Tensor, qw: torch.Tensor | None, name: str):
     S = xs.shape[0]
     sigma2 = _sigma2(xs, True)
     if qw is not None:
-        weight = qw * torch.sqrt(sigma2[:, None] + xs * xs)
+        weight = qw * sqrtf(sigma2[:, None] + xs * xs)
     else:
         weight = (0.25 * sigma2[:, None] + xs * xs) if not iq3 else xs * xs
     dim = lat.dim
     x = xs.reshape(-1, bs)
     N = x.shape[0]
     weight = weight.reshape(N, bs)
-    waux = torch.sqrt(weight)
+    waux = sqrtf(weight)
     neg = x < 0
     xval = torch.where(neg, -x, x)
     signs = (neg.reshape(N, bs // 8, 8).to(torch.int64) << torch.arange(8, device=xs.device)).sum(-1)
