@@ -9,6 +9,9 @@ checked).
 
     .venv/bin/python bench/quality_compare.py docs/results/smollm2-menu-nofill.jsonl \\
         docs/results/smollm2-menu-fill.jsonl
+
+Two methods of one results file pair the same way, file by file at each size: ``--methods A B``
+(e.g. ``--methods knapsack-gptq-packed knapsack-gptq`` with the same file twice).
 """
 
 from __future__ import annotations
@@ -35,10 +38,15 @@ def eval_text(r: dict) -> tuple:
     return e.get("sha256"), e.get("ctx"), e.get("chunks")
 
 
-def compare(a_rows: list[dict], b_rows: list[dict]) -> list[dict]:
-    """One entry per file present in both, in A's order (the latest row of each file)."""
-    a = {key(r): r for r in report.latest(a_rows)}
-    b = {key(r): r for r in report.latest(b_rows)}
+def compare(a_rows: list[dict], b_rows: list[dict], methods: tuple[str, str] | None = None) -> list[dict]:
+    """One entry per file present in both, in A's order (the latest row of each file). With
+    `methods` (A's, B's), A's rows of the first method pair with B's of the second."""
+    a_rows, b_rows = report.latest(a_rows), report.latest(b_rows)
+    if methods:
+        a_rows = [dict(r, method=methods[1]) for r in a_rows if r["method"] == methods[0]]
+        b_rows = [r for r in b_rows if r["method"] == methods[1]]
+    a = {key(r): r for r in a_rows}
+    b = {key(r): r for r in b_rows}
     out = []
     for k, ra in a.items():
         rb = b.get(k)
@@ -69,11 +77,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("a", type=Path, help="results JSONL of variant A")
     ap.add_argument("b", type=Path, help="results JSONL of variant B")
+    ap.add_argument("--methods", nargs=2, metavar=("A", "B"), default=None,
+                    help="pair A's files of method A with B's of method B (e.g. two methods of one file)")
     x = ap.parse_args(argv)
-    entries = compare(store.read_rows(x.a), store.read_rows(x.b))
+    methods = tuple(x.methods) if x.methods else None
+    entries = compare(store.read_rows(x.a), store.read_rows(x.b), methods)
     if not entries:
         raise SystemExit(f"{x.a} and {x.b} have no file in common")
-    print(markdown(entries, x.a.stem, x.b.stem), end="")
+    names = (f"{x.a.stem} {methods[0]}", f"{x.b.stem} {methods[1]}") if methods else (x.a.stem, x.b.stem)
+    print(markdown(entries, *names), end="")
     return 0
 
 

@@ -380,3 +380,15 @@ def test_compare_pairs_the_same_file_of_two_variants_chunk_by_chunk():
     b[0]["config"] = {"eval": {"sha256": "other", "ctx": 512, "chunks": 3}}
     with pytest.raises(SystemExit, match="different eval texts"):
         cmp.compare(a, b)
+
+
+def test_compare_pairs_two_methods_of_one_results_file():
+    cmp = _bench("quality_compare")
+    rows = [_row("p30", "knapsack-gptq-packed", 80e6, 0.20, size=30, chunks=[0.2, 0.3, 0.1]),
+            _row("r30", "knapsack-gptq", 80e6, 0.15, size=30, chunks=[0.1, 0.25, 0.1]),
+            _row("r40", "knapsack-gptq", 90e6, 0.10, size=40, chunks=[0.1, 0.1, 0.1]),
+            _row("k30", "knapsack", 80e6, 0.30, size=30, chunks=[0.3, 0.3, 0.3])]
+    out = cmp.compare(rows, rows, ("knapsack-gptq-packed", "knapsack-gptq"))
+    assert [e["key"][3] for e in out] == [30]  # only Voodoo30 has both methods; the plain knapsack is left out
+    assert out[0]["paired"][0] == pytest.approx(-0.05) and out[0]["a"]["kld_mean"] == 0.20
+    assert cmp.compare(rows, rows, ("knapsack", "knapsack-gptq-packed"))[0]["paired"][0] == pytest.approx(-0.1)
