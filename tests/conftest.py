@@ -20,6 +20,16 @@ def ggml_lib():
 
 
 @pytest.fixture(scope="session")
+def grid_search_lattices(ggml_lib):
+    """The torch grid search's lattice and neighbour tables of every type it has (IQ2_XXS, IQ2_S,
+    IQ3_S, IQ1_S), built once per session (candidates/grid_tables.py: seconds in all), from the
+    grids read out of libggml-base."""
+    from voodoo_quant.candidates import grid_search, grid_tables
+
+    return {q: grid_tables.lattice(q) for q in grid_search.TYPES}
+
+
+@pytest.fixture(scope="session")
 def vendored_gguf_quants():
     """``gguf.quants`` of the llama.cpp tree's own gguf-py, under a private module name.
 

@@ -44,7 +44,7 @@ class Search:
         d = m / div
         live = m > 0
         safe = torch.where(live, d, torch.ones_like(d))
-        l = torch.clamp(nearest_int(0.5 * ((1 / safe)[:, None] * self.scale - 1)), 0, lmax).to(torch.int64)
+        l = torch.clamp(nearest_int(0.5 * ((torch.ones_like(safe) / safe)[:, None] * self.scale - 1)), 0, lmax).to(torch.int64)
         stored = d if fudge is None else d * float(np.float32(fudge))
         stored = torch.where(live, stored, torch.zeros_like(stored)).to(torch.float16).to(torch.float32)
         return stored, torch.where(live[:, None], l, torch.zeros_like(l))
@@ -78,10 +78,18 @@ def pack(sr: Search) -> torch.Tensor:
         sc = l[:, 0::2] | (l[:, 1::2] << 4)
         parts = [d16, e & 255, sr.signs.to(torch.int64).reshape(S, 32), qh, sc]
     elif sr.qtype == "IQ3_S":  # qs: 64 low index bytes; qh: 1 bit per group; signs: 32 bytes; scales: nibbles
-        e = e.reshape(S, 64)
-        qh = ((e >> 8).reshape(S, 8, 8) << torch.arange(8, device=dev)).sum(-1)
+        qh = ((e.reshape(S, 64) >> 8).reshape(S, 8, 8) << torch.arange(8, device=dev)).sum(-1)
         sc = l[:, 0::2] | (l[:, 1::2] << 4)
-        parts = [d16, e & 255, qh, sr.signs.to(torch.int64).reshape(S, 32), sc]
+        # quantize_row_iq3_s_impl skips an all-zero sub-block with `continue` before its `qs += bs4;
+        # signs += bs8;`: the later sub-blocks' indices and signs move up a slot, the last slots stay 0
+        # (qh and the scales are indexed by the sub-block and do not move)
+        dead = sr.scale == 0
+        slot = torch.arange(8, device=dev) - (torch.cumsum(dead.to(torch.int64), 1) - dead.to(torch.int64))
+        slot = torch.where(dead, torch.full_like(slot, 8), slot)  # a dead sub-block writes nothing
+        lo = torch.zeros(S, 9, 8, dtype=torch.int64, device=dev).scatter_(1, slot[..., None].expand(S, 8, 8), e & 255)
+        sg = torch.zeros(S, 9, 4, dtype=torch.int64, device=dev).scatter_(
+            1, slot[..., None].expand(S, 8, 4), sr.signs.to(torch.int64))
+        parts = [d16, lo[:, :8].reshape(S, 64), qh, sg[:, :8].reshape(S, 32), sc]
     elif sr.qtype == "IQ1_S":  # qs: 32 low index bytes; qh (uint16 per sub-block): 3 bits per group, l, the shift
         h = ((e >> 8) << torch.arange(0, 12, 3, device=dev)).sum(-1) | (l << 12) | (sr.shift.to(torch.int64) << 15)
         parts = [d16, (e & 255).reshape(S, 32), _bytes_u16(h)]

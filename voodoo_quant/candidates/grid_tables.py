@@ -40,6 +40,11 @@ _LATTICES = {
 }
 
 
+# a measured variant (bench/grid_search_agreement.py --exhaustive): the nearest grid entry over the
+# whole grid instead of the neighbour list's, as a plain nearest-point search would choose it
+EXHAUSTIVE = False
+
+
 def nearest_int(v: torch.Tensor) -> torch.Tensor:
     """ggml-quants.c ``nearest_int``: ``(bits(v + 12582912.f) & 0x7fffff) − 0x400000`` (int32)."""
     t = (v.to(torch.float32) + 12582912.0).view(torch.int32)
@@ -113,36 +118,38 @@ def _lattice(name: str) -> Lattice:
     kmap[lev @ w] = np.arange(len(lev))
     pts = (np.arange(size)[:, None] // w) % nl  # every lattice point, by code
     P, G = 2 * pts + 1, 2 * lev + 1  # the positions iq*_init_impl measures distances between
-    start = np.zeros(size, dtype=np.int64)
     length = np.zeros(size, dtype=np.int64)
     flat = []
-    pos = 0
+    Gf = G.astype(np.float64)
+    g2 = (Gf * Gf).sum(1)[None, :]
     for c0 in range(0, size, 512):
-        d2 = (P[c0:c0 + 512, None, :] - G[None]) ** 2
-        d2 = d2.sum(-1)  # (chunk, entries), integers
-        order = np.argsort(d2, axis=1, kind="stable")  # by distance, then index (iq2_compare_func)
-        sd = np.take_along_axis(d2, order, axis=1)
+        p = P[c0:c0 + 512].astype(np.float64)  # small integers: every product and sum exact
+        d2 = np.rint((p * p).sum(1, keepdims=True) + g2 - 2 * p @ Gf.T).astype(np.int64)  # (chunk, entries)
+        key = np.sort(d2 * len(G) + np.arange(len(G)), axis=1)  # by distance, then index (iq2_compare_func)
+        order, sd = key % len(G), key // len(G)
         rank = np.concatenate([np.zeros((len(sd), 1), np.int64), np.cumsum(np.diff(sd, axis=1) > 0, axis=1)], 1)
-        for r in range(len(sd)):
-            c = c0 + r
-            if kmap[c] >= 0:
-                continue
-            keep = order[r, rank[r] < nwant]
-            start[c], length[c] = pos, len(keep)
-            flat.append(keep)
-            pos += len(keep)
+        keep = (rank < nwant) & (kmap[c0:c0 + 512] < 0)[:, None]  # on-grid points list nothing
+        length[c0:c0 + 512] = keep.sum(1)
+        flat.append(order[keep])  # row by row, each row in its sorted order
+    start = np.cumsum(length) - length
     return Lattice(nl, dim, torch.from_numpy(lev), torch.from_numpy(kmap), torch.from_numpy(start),
                    torch.from_numpy(length), torch.from_numpy(np.concatenate(flat)))
 
 
 @lru_cache(maxsize=None)
-def _lattice_on(name: str, device: str) -> Lattice:
-    return _lattice(name).to(device)
+def _lattice_on(name: str, device: str, exhaustive: bool) -> Lattice:
+    lat = _lattice(name)
+    if exhaustive:  # every off-grid code's list: the whole grid, in index order
+        G, off = lat.levels.shape[0], lat.kmap < 0
+        lat = Lattice(lat.nl, lat.dim, lat.levels, lat.kmap, torch.zeros_like(lat.start),
+                      torch.where(off, G, 0), torch.arange(G))
+    return lat.to(device)
 
 
 def lattice(name: str, device: torch.device | str = "cpu") -> Lattice:
-    """The lattice tables of grid type `name` on `device` (built once per process: ~1 s for IQ1_S)."""
-    return _lattice_on(name, str(torch.device(device)))
+    """The lattice tables of grid type `name` on `device` (built once per process: ~1 s for IQ1_S);
+    with :data:`EXHAUSTIVE`, an off-grid group searches the whole grid instead of its neighbours."""
+    return _lattice_on(name, str(torch.device(device)), bool(EXHAUSTIVE))
 
 
 def best_neighbours(lat: Lattice, code: torch.Tensor, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
