@@ -57,9 +57,10 @@ def real_imatrix(a) -> dict:
     import compensation_objective as co
 
     hf = Path(a.hf).expanduser()
-    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
-    tokens = co.calibration_tokens(AutoTokenizer.from_pretrained(hf), None, a.imatrix_sequences, 512)
     layers = [int(v) for v in a.layers.split(",")]
+    # only the layers up to the deepest asked for (the rest never runs): a fraction of the memory
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32, num_hidden_layers=max(layers) + 1).eval()
+    tokens = co.calibration_tokens(AutoTokenizer.from_pretrained(hf), None, a.imatrix_sequences, 512)
     stats = co.collect(model, layers, tokens, 4)
     return {(L, t): stats[(L, co.INPUT[t])][1].astype(np.float32) for L in layers for t in a.tensors.split(",")}
 
