@@ -190,6 +190,26 @@ def test_compute_imatrix_equals_numpy(tiny_llama):
         assert np.array_equal(im.vector(g, x.shape[1]), e.sums / np.float32(144))
 
 
+def test_compute_imatrix_stops_before_an_unrecorded_head(tiny_llama):
+    import torch
+
+    batches = [torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(7))]
+    head_runs = []
+    counter = tiny_llama.lm_head.register_forward_hook(lambda *a: head_runs.append(1))
+    try:
+        skipped = imatrix.compute_imatrix(tiny_llama, batches, llama_name)
+        assert head_runs == []  # the vocabulary-wide matmul never ran
+        with_head = imatrix.compute_imatrix(  # a map that records the head: it runs, and its entry is there
+            tiny_llama, batches, lambda hf: "output.weight" if hf == "lm_head.weight" else llama_name(hf))
+        assert head_runs == [1] and "output.weight" in with_head.entries
+    finally:
+        counter.remove()
+    assert not tiny_llama.lm_head._forward_pre_hooks  # nothing left behind
+    assert set(skipped.entries) == set(with_head.entries) - {"output.weight"}
+    for g, e in skipped.entries.items():  # the same sums: the layers before the head ran the same
+        assert np.array_equal(e.sums, with_head.entries[g].sums) and e.counts.tolist() == with_head.entries[g].counts.tolist()
+
+
 def test_compute_imatrix_column_perm_and_refusals(tiny_llama):
     import torch
 
