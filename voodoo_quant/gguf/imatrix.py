@@ -420,8 +420,8 @@ def compute_imatrix(
     Calls with fewer than `min_rows` rows are skipped, as llama-imatrix skips them.
 
     The output head does not run when no entry reads its input (llama-imatrix records none for
-    it): its logits are a vocabulary-wide matmul per token, 15 % of a forward of Qwen2.5-1.5B,
-    that nothing here uses (:func:`_stop_before_unrecorded_head`).
+    it): its logits are a vocabulary-wide matmul per token that nothing here uses, 15 % of the
+    multiply-adds of a Qwen2.5-1.5B forward (233 M of 1,544 M per token) (:func:`_stop_before_unrecorded_head`).
     """
     import torch
 
