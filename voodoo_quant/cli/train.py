@@ -37,7 +37,7 @@ def register(app: typer.Typer) -> None:
                 from ..memory.plan import dry_run as plan_dry_run  # lazy: keeps `voodoo --help` light
 
                 if launched_rank() == 0:
-                    print_dry_run(console, plan_dry_run(tiny(cfg)))
+                    print_dry_run(console, plan_dry_run(tiny(cfg), timing=True))
                 return
             if cfg.tensor_parallel > 1 and launched_rank() > 0:  # rank 0 reports and writes; the others compute
                 Trainer(cfg).train()

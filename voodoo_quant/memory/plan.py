@@ -63,6 +63,7 @@ from ..training.target_size import run_budget
 from .phases import add_compensation, builds_student, measure_phase, one_shot_device, references_bytes, sensitivity_term
 from .probe import _layer_kinds, layer_saved_bytes
 from .terms import PROCESS_BASELINE, Term
+from .time_plan import time_plan_for
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -435,6 +436,7 @@ class DryRun:
     budget: Any
     memory: MemoryPlan
     notes: list[str] = field(default_factory=list)
+    time: Any = None  # time_plan.TimePlan, with `timing` (probed on this machine)
 
 
 def device_capacity(cfg) -> float | None:
@@ -455,9 +457,10 @@ def device_capacity(cfg) -> float | None:
         return None
 
 
-def dry_run(cfg, world: int | None = None) -> DryRun:
+def dry_run(cfg, world: int | None = None, *, timing: bool = False) -> DryRun:
     """Plan a run from the model's config alone (a skeleton on ``meta``: no weight, no tokens
-    file, no process group): menus, budget, the tensor-parallel split and the memory plan. The
+    file, no process group): menus, budget, the tensor-parallel split and the memory plan; with
+    `timing`, the stages' wall time on this machine (a probe of seconds: memory/time_plan.py). The
     budget is the trainer's (``training/target_size.run_budget``); ``--target_size`` needs the
     weights' headers, to count the tensors the file holds beside the selectable ones."""
 
@@ -469,9 +472,10 @@ def dry_run(cfg, world: int | None = None) -> DryRun:
     layout_for = converter_layouts(cfg.model) if has_weights else None
     if not has_weights:
         notes.append(f"{cfg.model} holds no weights: GGUF rows are taken as the HF rows (sizes may differ slightly)")
-    names = None
+    names = imx = None
     if cfg.imatrix and Path(cfg.imatrix).is_file():
-        names = set(im.load(cfg.imatrix).entries)
+        imx = im.load(cfg.imatrix)
+        names = set(imx.entries)
     elif cfg.imatrix:
         names = {adapter.gguf_name(n) for n in selectable_weights(model)}
         names |= {lay.gguf_name for n, (w, _) in selectable_weights(model).items()
@@ -497,4 +501,8 @@ def dry_run(cfg, world: int | None = None) -> DryRun:
         return plan_for(dataclasses.replace(cfg, **change), w)
 
     mem = plan_for(cfg, world, replan)
-    return DryRun(cfg, plans, budget, mem, notes)
+    run = DryRun(cfg, plans, budget, mem, notes)
+    if timing:
+        run.time, why = time_plan_for(cfg, model, plans, budget, covered, imx)
+        notes += [f"no time prediction: {why}"] if why else []
+    return run

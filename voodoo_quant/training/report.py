@@ -45,6 +45,10 @@ def print_dry_run(console: Console, run) -> None:
     if mem is not None:  # voodoo_quant/memory/plan.py
         for line in mem.lines():
             console.print(line, highlight=False, markup=False)
+    time = getattr(run, "time", None)
+    if time is not None:  # voodoo_quant/memory/time_plan.py
+        for line in time.lines():
+            console.print(line, highlight=False, markup=False)
 
 
 @contextlib.contextmanager
