@@ -6,12 +6,17 @@ Two commands:
 constants of memory/timing.py and rates.DERIVED stand for, on a model with the widths of `--model`
 (its config, `--layers` decoder layers, random weights; the checkpoint itself for the read):
 
-- ``K_FORWARD``: a no-grad forward of [1, seq] and [4, seq] ÷ its flops at the probed GEMM rate;
-- ``K_FISHER``: training/layerwise.fisher_curvature (a Q8_0 menu: its curvature, priced by the
-  probe, taken out) ÷ its flops (4 layer + 3 head passes);
-- ``K_HESSIANS``: training/layer_hessians.collect_layerwise (arrays consumed, no file) ÷ its flops;
-- ``K_PLAIN_STEP``: a plain forward+backward with weight gradients and a no-grad teacher forward
-  ÷ 4 forwards' flops;
+Each ``K_*`` is a pass's CPU seconds per flop ÷ the probe's GEMM's CPU seconds per flop (measured
+before and after it, on torch's threads): CPU time, not wall time, so that other jobs on the
+cores stretch neither side (their wall times moved 4× within one repeat):
+
+- ``K_FORWARD``: a no-grad forward of [1, seq] and [4, seq];
+- ``K_FISHER``: training/layerwise.fisher_curvature (a Q8_0 menu: its curvature's dequantization
+  taken out), flops of 4 layer + 3 head passes;
+- ``K_HESSIANS``: training/layer_hessians.collect_layerwise (arrays consumed, no file), flops of
+  its forward and xᵀx;
+- ``K_PLAIN_STEP``: a plain forward+backward with weight gradients and a no-grad teacher forward,
+  flops of 4 forwards;
 - ``LOAD_BYTES_PER_S``: model.modeling.load_model of `--model` (whatever the page cache holds);
 - ``DISK_BYTES_PER_S``: 2 GB written through core.fileio (fsync'ed);
 - ``CONVERT_BYTES_PER_S``: gguf.converter.convert of `--model` to F32;
@@ -76,6 +81,14 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
+def _cpu(fn) -> float:
+    """The process's CPU seconds (all threads) of fn(): what a pass costs whatever else the
+    machine runs (its wall time stretches with the load, its CPU time hardly does)."""
+    t0 = time.process_time()
+    fn()
+    return time.process_time() - t0
+
+
 def constants(args) -> dict:
     import torch
 
@@ -136,11 +149,15 @@ def _k_constants(args) -> dict:
     shp = tm.model_shapes(model, plans, T)
     text = model.config.get_text_config()
 
-    def gemm() -> float:
-        return R.gemm_rate(128, text.hidden_size, text.intermediate_size)
+    a, b = torch.randn(128, text.hidden_size), torch.randn(text.hidden_size, text.intermediate_size)
 
-    def k_of(seconds: float, flops: float, rates: list[float]) -> float:
-        return seconds * statistics.mean(rates) / flops
+    def gemm() -> float:
+        """The probe's GEMM in CPU seconds per flop (best of 3 after a warm-up)."""
+        a @ b
+        return min(_cpu(lambda: a @ b) for _ in range(3)) / (2.0 * a.shape[0] * a.shape[1] * b.shape[1])
+
+    def k_of(seconds: float, flops: float, per_flop: list[float]) -> float:
+        return seconds / flops / statistics.mean(per_flop)
 
     ids = torch.randint(0, text.vocab_size, (4, T), generator=torch.Generator().manual_seed(0))
     ks = {"K_FORWARD": [], "K_FISHER": [], "K_HESSIANS": [], "K_PLAIN_STEP": []}
@@ -151,17 +168,17 @@ def _k_constants(args) -> dict:
         g0 = gemm()
         with torch.no_grad():
             model(input_ids=ids[:1, :16])
-            s1 = _timed(lambda: model(input_ids=ids[:1]))
-            s4 = _timed(lambda: model(input_ids=ids))
+            s1 = _cpu(lambda: model(input_ids=ids[:1]))
+            s4 = _cpu(lambda: model(input_ids=ids))
         g1 = gemm()
         ks["K_FORWARD"] += [k_of(s1, T * shp.flops, [g0, g1]), k_of(s4, 4 * T * shp.flops, [g0, g1])]
         weights = {p.name: model.get_parameter(p.name) for p in plans}
-        s = _timed(lambda: layerwise.fisher_curvature(model, plans, ids[:2], lambda p: blobs[p.name], weights))
-        curv = sum(tm._numel(p) for p in plans) / R.dequant_rates(["Q8_0"])["Q8_0"]
+        s = _cpu(lambda: layerwise.fisher_curvature(model, plans, ids[:2], lambda p: blobs[p.name], weights))
+        curv = _cpu(lambda: R.dequant_rates(["Q8_0"])) / (3 * R.PROBE_ROWS * R.PROBE_N) * sum(tm._numel(p) for p in plans)
         g2 = gemm()
         ks["K_FISHER"].append(k_of(s - curv, 2 * T * (4 * shp.layer_flops + 3 * shp.head_flops), [g1, g2]))
         c = collect_layerwise(model, plans, ids)
-        s = _timed(lambda: [a for _, a in c.arrays])
+        s = _cpu(lambda: [h for _, h in c.arrays])
         g3 = gemm()
         ks["K_HESSIANS"].append(k_of(s, 4 * T * shp.layer_flops + 2.0 * 4 * T * sum(n * n for n in shp.inputs),
                                      [g2, g3]))
@@ -175,15 +192,15 @@ def _k_constants(args) -> dict:
             loss.backward()
         for p in model.parameters():
             p.requires_grad_(True)
-        s = _timed(plain_step)
+        s = _cpu(plain_step)
         for p in model.parameters():
             p.requires_grad_(False)
             p.grad = None
         del teacher
         g4 = gemm()
         ks["K_PLAIN_STEP"].append(k_of(s, 4 * T * shp.flops, [g3, g4]))
-        print(rep, {k: round(v[-1], 3) for k, v in ks.items()}, f"gemm {g0 / 1e9:.1f}..{g4 / 1e9:.1f} GFLOP/s",
-              flush=True)
+        print(rep, {k: round(v[-1], 3) for k, v in ks.items()},
+              f"GEMM {1 / g0 / 1e9:.1f}..{1 / g4 / 1e9:.1f} GFLOP per CPU second", flush=True)
     out.update({k: {"median": statistics.median(v), "values": v} for k, v in ks.items()})
     return out
 

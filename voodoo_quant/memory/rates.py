@@ -1,8 +1,8 @@
 """The time model's probe: how fast this machine runs the operations a run is made of, now.
 
-A few seconds of measurements (:func:`probe`), each timed best of two after a warm-up, on matrices
-small enough to stay cheap and shaped so that the rate per weight or per flop does not depend on
-their size:
+A few seconds of measurements (:func:`probe`), each timed best of two after a warm-up (the
+compensation walk: once after its warm-up), on matrices small enough to stay cheap and shaped so
+that the rate per weight or per flop does not depend on their size:
 
 * **quantization**: libggml-base's quantizer on one thread (as each ``VOODOO_QUANT_WORKERS``
   process runs it, ``candidates/precache.py``), per type, on a 128 × 512 float32 matrix with an
@@ -223,7 +223,7 @@ def compensation_rates(types: Iterable[str], sweep: str, damp: float, gemm1: flo
             secs = []
             for rows in COMP_ROWS:
                 w = probe_matrix(rows, seed=_SEED + rows)
-                s = _best(lambda: compensate.compensated_matrix(w, t, vec, comp, lib))
+                s = _best(lambda: compensate.compensated_matrix(w, t, vec, comp, lib), reps=1)
                 secs.append(max(0.0, s - rows * PROBE_N ** 2 / gemm1))
             (r0, r1), (s0, s1) = COMP_ROWS, secs
             a = max(0.0, (s1 - s0) / ((r1 - r0) * PROBE_N))
