@@ -63,7 +63,12 @@ def compare(args) -> int:
     ckpt = sum(f.stat().st_size for f in Path(cfg.model).glob("*.safetensors")) or None
     shp = tm.model_shapes(model, plans, cfg.seq_len)
     everything = {(p.name, t) for p in plans for t in p.menu.types}
-    covered = {p.gguf_name for p in plans}
+    if cfg.imatrix and Path(cfg.imatrix).is_file():
+        from voodoo_quant.gguf import imatrix as im
+
+        covered = set(im.load(cfg.imatrix).entries)
+    else:  # as `voodoo imatrix` writes it: no vector for the embedding or the output head
+        covered = {p.gguf_name for p in plans} - {"token_embd.weight", "output.weight"}
     print(f"probe: {rates.seconds:.1f} s, GEMM {rates.gemm / 1e9:.1f} GFLOP/s on {rates.threads} thread(s), "
           f"quantization workers {rates.workers} at {rates.parallel:.2f}× one")
     by_size: dict[int, tuple] = {}
@@ -101,7 +106,7 @@ def compare(args) -> int:
             if _reads_reference(r):  # the ladder's export reads its F32 reference: no conversion
                 pred -= convert_seconds(shp)
         elif _recipe(step):
-            pred = stock_seconds(plans, stock[_recipe(step)], rates, rates.workers, shp.param_bytes)
+            pred = stock_seconds(plans, stock[_recipe(step)], rates, rates.workers, shp.param_bytes, covered)
         ratio = f"{pred / meas:9.2f}" if pred is not None and meas > 0 else f"{'-':>9}"
         print(f"{step:<34} {item[:30]:<30} {meas:10.1f} {pred if pred is not None else float('nan'):11.1f} {ratio}")
         if pred is not None:

@@ -30,6 +30,7 @@ def _rates(**kw) -> Rates:
     every = [t for t in qt.QTYPES if t != "F32"]  # the menus and the guarantee's off-menu references
     base = dict(quant={t: 3e6 for t in every} | {"Q8_0": 1e8, "Q4_K": 4e6},
                 dequant={t: 5e8 for t in every} | {"Q8_0": 1e9},
+                bare={"Q8_0": 1e8, "Q4_K": 8e6},
                 comp_weight={t: 1e-6 for t in every} | {"Q8_0": 1e-8, "Q4_K": 2e-7},
                 comp_step={t: 1e-3 for t in every} | {"Q8_0": 1e-4, "Q4_K": 5e-4},
                 gemm=2e10, gemm1=2e10, chol=5e9, parallel=1.0, sha256=1e9, copy=4e9, curvature=1e-9,
@@ -60,7 +61,7 @@ def test_probe_gives_a_rate_for_every_default_menu_type():
     r = probe(DEFAULT_CANDIDATES, hidden=256, intermediate=512, compensation="gptq", workers=2,
               rungs=len(DEFAULT_CANDIDATES))
     for t in DEFAULT_CANDIDATES:
-        for what in (r.quant[t], r.dequant[t]):
+        for what in (r.quant[t], r.dequant[t], r.quant_rate(t, imatrix=False)):
             assert math.isfinite(what) and what > 0, (t, what)
         walk = r.comp_weight[t] * 128 * 512 + r.comp_step[t] * 16  # a 128 x 512 matrix's walk, seconds
         assert math.isfinite(walk) and walk > 0, (t, r.comp_weight[t], r.comp_step[t])
@@ -68,6 +69,7 @@ def test_probe_gives_a_rate_for_every_default_menu_type():
         assert math.isfinite(what) and what > 0
     assert 1.0 <= r.parallel <= 2.0
     # the grid types whose setup takes longer than the probe may are priced from IQ2_XXS's rate
+    assert set(r.bare) == {"Q8_0", "Q5_K", "IQ3_S"}  # the others need a vector
     assert set(r.derived) == {t for t in DEFAULT_CANDIDATES if t in DERIVED} == {"IQ2_S", "IQ1_S"}
     for t in r.derived:
         assert r.quant[t] == pytest.approx(r.quant[BASE] / DERIVED[t]["plain"])
@@ -112,6 +114,19 @@ def test_workers_divide_the_candidates():
     big = [tm.Job("head", "IQ2_XXS", 4096, 512, compensated=False)] + jobs[:1]
     alone = tm.job_seconds(big[0], _rates())
     assert tm.candidate_seconds(big, _rates(parallel=2.0, workers=2), [], 2)[0] >= alone
+
+
+def test_a_tensor_without_an_imatrix_vector_takes_the_bare_rate(gate_model_dir, tmp_path):
+    r = _rates()
+    with_vec = tm.Job("w", "Q4_K", 256, 512, compensated=False)
+    without = dataclasses.replace(with_vec, imatrix=False)
+    assert tm.job_seconds(with_vec, r) == pytest.approx(256 * 512 / 4e6)
+    assert tm.job_seconds(without, r) == pytest.approx(256 * 512 / 8e6)
+    assert tm.job_seconds(dataclasses.replace(without, qtype="Q6_K"), r) == pytest.approx(256 * 512 / 3e6)  # none probed bare
+    flags = ["--method", "sensitivity", "--error_compensation", "none"]
+    none, run = _plan(gate_model_dir, tmp_path, flags)
+    every, _ = _plan(gate_model_dir, tmp_path, flags, covered={p.gguf_name for p in run.plans})
+    assert _stage(every, "candidates") > _stage(none, "candidates")  # Q4_K searched against the vectors
 
 
 def test_compensated_jobs_add_the_walk_and_the_factors():

@@ -6,7 +6,9 @@ that the rate per weight or per flop does not depend on their size:
 
 * **quantization**: libggml-base's quantizer on one thread (as each ``VOODOO_QUANT_WORKERS``
   process runs it, ``candidates/precache.py``), per type, on a 128 × 512 float32 matrix with an
-  imatrix vector (weights/s). The matrix is seeded Student-t (5 degrees of freedom): the IQ
+  imatrix vector, and without one for the types that can do without (weights/s): the K-quants
+  search their scales against the vector (Q5_K 5.1 against 10.8 Mw/s without, on the 1.5B
+  model's head rows), and llama-imatrix records no vector for the embedding or the output head. The matrix is seeded Student-t (5 degrees of freedom): the IQ
   searches' time depends on the values, and on the 1.5B model's own q/gate/down rows the rates of
   the default menu's types were within the probe's run-to-run scatter of Student-t's, where
   Gaussian rows were up to 1.5× slower for Q5_K (measured side by side on the 2-core machine);
@@ -81,6 +83,7 @@ class Rates:
 
     quant: dict[str, float]  # type -> weights/s, one thread, plain, with an imatrix vector
     dequant: dict[str, float]  # type -> weights/s, one thread
+    bare: dict[str, float] = field(default_factory=dict)  # type -> weights/s without an imatrix vector
     comp_weight: dict[str, float] = field(default_factory=dict)  # type -> s per weight of the walk, one thread
     comp_step: dict[str, float] = field(default_factory=dict)  # type -> s per 32-column step of the walk
     gemm: float = 1e10  # float32 flop/s on torch's threads, at the model's widths
@@ -95,8 +98,11 @@ class Rates:
     derived: tuple[str, ...] = ()  # the types priced from IQ2_XXS by DERIVED, not probed
     seconds: float = 0.0  # what the probe took
 
-    def quant_rate(self, qtype: str) -> float:
-        return self.quant[qt.get(qtype).name]
+    def quant_rate(self, qtype: str, imatrix: bool = True) -> float:
+        """Weights/s of `qtype` on one thread, with an imatrix vector or without (the K-quants
+        search their scales against it: Q5_K half as fast with one)."""
+        t = qt.get(qtype).name
+        return self.quant[t] if imatrix or t not in self.bare else self.bare[t]
 
     def dequant_rate(self, qtype: str) -> float:
         return self.dequant[qt.get(qtype).name]
@@ -166,13 +172,16 @@ def curvature_rate(k: int) -> float:
     return _best(run) / (n * k)
 
 
-def quant_rates(types: Iterable[str], lib=None) -> dict[str, float]:
-    """type -> weights/s quantized on one thread (each type's grids set up by the warm-up)."""
+def quant_rates(types: Iterable[str], lib=None, *, imatrix: bool = True) -> dict[str, float]:
+    """type -> weights/s quantized on one thread (each type's grids set up by the warm-up), with an
+    imatrix vector, or without one (`imatrix` False: the types that need one are left out)."""
     lib = lib or ggml.lib()
     w = probe_matrix(PROBE_ROWS)
-    vec = _imatrix(PROBE_N)
+    vec = _imatrix(PROBE_N) if imatrix else None
     out = {}
     for t in sorted({qt.get(t).name for t in types}):
+        if not imatrix and qt.get(t).needs_imatrix:
+            continue
         v = None if qt.get(t).is_float else vec
         out[t] = w.size / _best(lambda: lib.quantize(w, t, v, workers=1))
     return out
@@ -257,6 +266,7 @@ def probe(types: Iterable[str], *, hidden: int, intermediate: int, compensation:
     direct = sorted({t for t in types if t not in DERIVED} | ({BASE} if derived else set()))
     workers = workers or envs.quant_workers()
     q = quant_rates(direct, lib)
+    bare = quant_rates(direct, lib, imatrix=False)  # tensors no imatrix covers (llama-imatrix skips the head)
     quantized = [t for t in direct if not qt.get(t).is_float]
     slowest = min(quantized, key=lambda t: q[t]) if quantized else direct[0]
     par = parallel_speedup(slowest, workers, lib)
@@ -273,10 +283,11 @@ def probe(types: Iterable[str], *, hidden: int, intermediate: int, compensation:
             cw[t], cs[t] = cw[BASE] * DERIVED[t][sweep], cs[BASE]
     for t in set(direct) - set(types):  # probed only to price the derived ones
         q.pop(t)
+        bare.pop(t, None)
         cw.pop(t, None)
         cs.pop(t, None)
     sha, cp = byte_rates()
-    return Rates(quant=q, dequant=dequant_rates(types, lib), comp_weight=cw, comp_step=cs, gemm=gemm, gemm1=gemm1,
+    return Rates(quant=q, dequant=dequant_rates(types, lib), bare=bare, comp_weight=cw, comp_step=cs, gemm=gemm, gemm1=gemm1,
                  chol=chol, parallel=par, sha256=sha, copy=cp, curvature=curvature_rate(rungs),
                  threads=torch.get_num_threads(), workers=workers, derived=derived,
                  seconds=time.perf_counter() - t0)

@@ -49,7 +49,7 @@ def sequences(cfg, n_file: int | None) -> Sequences:
                      f"{cfg.data_path}: {n_file} sequences of at least {cfg.seq_len} tokens")
 
 
-def _bits_mix_seconds(p, target_bpw: float, rate_of) -> float:
+def _bits_mix_seconds(p, target_bpw: float, rate_of, imatrix: bool = True) -> float:
     """One thread's seconds to quantize plan `p` at the rungs that bracket `target_bpw`, mixed
     (by weights) to meet it."""
     n = tm._numel(p)
@@ -58,9 +58,9 @@ def _bits_mix_seconds(p, target_bpw: float, rate_of) -> float:
     lo = max((k for k in order if bpw[k] <= target_bpw), key=lambda k: bpw[k], default=order[0])
     hi = min((k for k in order if bpw[k] >= target_bpw), key=lambda k: bpw[k], default=order[-1])
     if bpw[hi] == bpw[lo]:
-        return n / rate_of(p.menu.types[lo])
+        return n / rate_of(p.menu.types[lo], imatrix)
     f = (bpw[hi] - target_bpw) / (bpw[hi] - bpw[lo])  # the share at the lower rung
-    return n * (f / rate_of(p.menu.types[lo]) + (1 - f) / rate_of(p.menu.types[hi]))
+    return n * (f / rate_of(p.menu.types[lo], imatrix) + (1 - f) / rate_of(p.menu.types[hi], imatrix))
 
 
 def plan_time(cfg, model: nn.Module, plans: Sequence, budget: Budget, rates: Rates, *,
@@ -105,7 +105,7 @@ def plan_time(cfg, model: nn.Module, plans: Sequence, budget: Budget, rates: Rat
         add(tm.Stage("Hessians (error compensation)", s, note))
 
     refs = references(cfg, model, plans, budget, covered)
-    jobs = tm.candidate_jobs(plans, modules, compensated=comp, extra=refs.extra if refs else None)
+    jobs = tm.candidate_jobs(plans, modules, compensated=comp, extra=refs.extra if refs else None, covered=covered)
     cached = set(cached)
     found = {(j.name, j.qtype) for j in jobs if (j.name, j.qtype) in cached}
     todo = [j for j in jobs if (j.name, j.qtype) not in found]
@@ -159,7 +159,7 @@ def plan_time(cfg, model: nn.Module, plans: Sequence, budget: Budget, rates: Rat
         quant = weigh + checked * (1 / rates.sha256 + 1 / rates.copy) + budget.target_bytes / rates.sha256
         how = "compensated candidates read from the cache"
     else:
-        quant = sum(_bits_mix_seconds(p, target_bpw, rates.quant_rate) for p in plans) / par
+        quant = sum(_bits_mix_seconds(p, target_bpw, rates.quant_rate, p.gguf_name in set(covered)) for p in plans) / par
         how = f"each tensor quantized once at ~{target_bpw:.2f} bits/weight"
     convert = shp.param_bytes / tm.CONVERT_BYTES_PER_S
     out_bytes = budget.target_bytes + max(0.0, shp.param_bytes - sel_bytes)
@@ -246,12 +246,16 @@ def convert_seconds(shp: tm.Shapes) -> float:
     return shp.param_bytes / tm.CONVERT_BYTES_PER_S
 
 
-def stock_seconds(plans: Sequence, types: Mapping[str, str], rates: Rates, threads: int, param_bytes: float) -> float:
+def stock_seconds(plans: Sequence, types: Mapping[str, str], rates: Rates, threads: int, param_bytes: float,
+                  covered: Collection[str] = ()) -> float:
     """Stock ``llama-quantize`` of the F32 reference into `types` (tensor -> type) on `threads`
-    threads: each tensor at the probe's one-thread rate for its type, the threads at the probe's
+    threads: each tensor at the probe's one-thread rate for its type (with the imatrix vector where
+    `covered` holds its GGUF name), the threads at the probe's
     parallel throughput, each grid type's setup once, the F32 file read and the output written."""
     par = min(float(threads), rates.parallel)
-    work = sum(tm._numel(p) / rates.quant_rate(types[p.name]) for p in plans if p.name in types) / par
+    covered = set(covered)
+    work = sum(tm._numel(p) / rates.quant_rate(types[p.name], p.gguf_name in covered)
+               for p in plans if p.name in types) / par
     setup = sum(tm.GRID_SETUP_S.get(qt.get(t).name, 0.0) for t in set(types.values()))
     out = sum(qt.tensor_bytes(types[p.name], (tm._numel(p) // p.n_per_row, p.n_per_row)) for p in plans if p.name in types)
     return work + setup + param_bytes / rates.copy + out / tm.DISK_BYTES_PER_S

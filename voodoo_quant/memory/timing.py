@@ -17,7 +17,8 @@ The stages, as ``Trainer.prepare`` and the method run them (one process, the CPU
   xᵀx per distinct layer input (2·tokens·n² flops each, at the GEMM rate), the file written at
   :data:`DISK_BYTES_PER_S`, then each tensor's Hessian checked and hashed once (its cache key).
 * **candidates**: every (tensor, menu type) quantized by libggml-base on one thread per job
-  (the probe's rate per type), the jobs spread over ``VOODOO_QUANT_WORKERS`` processes at the
+  (the probe's rate per type, with the imatrix vector where the imatrix covers the tensor, else
+  the rate without one; the walk is priced with one), the jobs spread over ``VOODOO_QUANT_WORKERS`` processes at the
   probe's measured parallel throughput; each compensated job adds the walk (the probe's seconds
   per weight and per 32-column step, and its ``rows · n²`` product at the one-thread GEMM rate)
   and each distinct layer input its Cholesky factor (:func:`factor_seconds`) once per worker
@@ -33,8 +34,8 @@ The stages, as ``Trainer.prepare`` and the method run them (one process, the CPU
   seconds per weight per rung, at the menu's K), the candidate bytes read and hashed.
 * ``--method gates``: the **student build** (every rung dequantized twice: libggml-base's
   ``to_float`` and the int8 codes checked against it), the **training steps** (a plain
-  forward+backward of the student, 3 forwards, and the teacher's forward, times
-  :data:`STEP_OVER_PLAIN`), the **guarantee** (the teacher once and the student once per measured
+  forward+backward of the student, 3 forwards, and the teacher's forward, :data:`K_PLAIN_STEP`,
+  times :data:`STEP_OVER_PLAIN`), the **guarantee** (the teacher once and the student once per measured
   assignment over the held-aside sequences, each serving its weights).
 * after the run, **export** (``voodoo export``): the converter's F32 GGUF (unless a conversion is
   passed with ``--converted``, as ``voodoo quantize`` does), the weights hash, each selected tensor
@@ -45,7 +46,11 @@ The stages, as ``Trainer.prepare`` and the method run them (one process, the CPU
 A forward pass is its flops (2 per weight of every Linear per token, and 4·T·width per layer for
 attention) at the probe's float32 GEMM rate on torch's threads, times :data:`K_FORWARD`; the
 sensitivity pass and the Hessian collection have their own factor (:data:`K_FISHER`,
-:data:`K_HESSIANS`) measured on their own code. Not modeled: ``--device cuda`` (the probe measures
+:data:`K_HESSIANS`) measured on their own code. Why a probe and not a table: the recorded 1.5B
+runs (docs/results/qwen2.5-coder-1.5b.cost.jsonl) ran their imatrix, 1.0e14 flops, in 487–986 s,
+100–210 GFLOP/s, where this 2-core machine's probe measured 6–60 GFLOP/s (the latter idle): the
+machine behind "the 2-core machine" changes between sessions, and its load within one. The
+prediction is for the load at the probe; a run that shares the cores later gets less. Not modeled: ``--device cuda`` (the probe measures
 the CPU), tensor parallelism's ranks, ``--sensitivity_kind`` measured/output, the experimental
 search. A dry run cannot know whether the Hessians file or sensitivity table in ``--output_dir``
 was made from the same inputs (their keys hash the weights and tokens): they are predicted as
@@ -74,14 +79,14 @@ from .rates import Rates
 # -- constants, each with where it was measured --------------------------------------------------
 # Measured by ``bench/time_model.py constants`` on the 2-core machine, 2026-12-07, with other jobs
 # on both cores (bench/results/time_model_constants.json: every value, the medians used here), on
-# Qwen2.5-Coder-1.5B's widths and vocabulary (its config with 2 decoder layers, random weights;
-# the checkpoint itself for the read and the conversion). The forward factors are that pass's
-# seconds × the probe's GEMM rate (measured just before and after) ÷ its flops; the machine's load
-# moved the GEMM rate 6–18 GFLOP/s within a repeat, which the ranges in the JSON show.
-K_FORWARD = 0.95  # a no-grad forward, [1, 512] and [4, 512] (6 values 0.78–1.40)
-K_FISHER = 1.76  # training/layerwise.fisher_curvature ÷ (4 layer + 3 head passes) (3 values 1.43–1.82)
-K_HESSIANS = 0.90  # training/layer_hessians.collect_layerwise ÷ (its forward + xᵀx) (3 values 0.78–0.99)
-K_PLAIN_STEP = 0.98  # student forward+backward with weight gradients + teacher forward ÷ 4 forwards (0.90–1.82)
+# Qwen2.5-Coder-1.5B's widths and vocabulary (its config with 8 decoder layers, random weights;
+# the checkpoint itself for the read and the conversion). The forward factors are a pass's CPU
+# seconds per flop ÷ the probe GEMM's, measured before and after it: CPU time, so that the other
+# jobs (which moved the wall-clock GEMM rate 4× within one repeat) stretch neither side.
+K_FORWARD = 0.90  # a no-grad forward, [1, 512] and [4, 512] (4 values 0.88–1.01)
+K_FISHER = 1.05  # training/layerwise.fisher_curvature, 4 layer + 3 head passes (0.99, 1.11)
+K_HESSIANS = 0.84  # training/layer_hessians.collect_layerwise, its forward + xᵀx (0.82, 0.86)
+K_PLAIN_STEP = 1.00  # student forward+backward with weight gradients + teacher forward, 4 forwards (0.99, 1.01)
 # a gate training step ÷ that plain step: 1.04–1.07 on SmolLM2-135M, int8 codes and the mixing
 # kernel (docs/lab/2026-12-01-ladder-and-training-step.md, bench/step_ratio.py); not measured at 1.5B
 STEP_OVER_PLAIN = 1.07
@@ -209,12 +214,13 @@ class Job:
     rows: int
     n: int
     compensated: bool
+    imatrix: bool = True  # quantized with an imatrix vector (the tensor is covered)
 
 
 def job_seconds(job: Job, rates: Rates) -> float:
     """One thread's seconds for one candidate (the factor not included)."""
     numel = job.rows * job.n
-    s = numel / rates.quant_rate(job.qtype)
+    s = numel / rates.quant_rate(job.qtype, job.imatrix)
     if job.compensated and applies(job.qtype):
         t = qt.get(job.qtype).name
         s += (rates.comp_weight[t] * numel + rates.comp_step[t] * job.n / STEP
@@ -248,13 +254,16 @@ def candidate_seconds(jobs: Sequence[Job], rates: Rates, factors: Sequence[int],
 
 
 def candidate_jobs(plans: Sequence, modules: Mapping[str, nn.Module], *, compensated: bool,
-                   extra: Mapping[str, Iterable[str]] | None = None) -> list[Job]:
+                   extra: Mapping[str, Iterable[str]] | None = None, covered: Iterable[str] = ()) -> list[Job]:
+    """Every (tensor, type) to build: the menus, and `extra` (tensor -> off-menu types); a tensor
+    whose GGUF name `covered` holds is quantized with its imatrix vector."""
+    covered = set(covered)
     jobs = []
     for p in plans:
         comp = compensated and compensable(p, modules)
         rows = _numel(p) // p.n_per_row
         types = list(p.menu.types) + sorted(set((extra or {}).get(p.name, ())) - set(p.menu.types))
-        jobs += [Job(p.name, t, rows, p.n_per_row, comp) for t in types]
+        jobs += [Job(p.name, t, rows, p.n_per_row, comp, p.gguf_name in covered) for t in types]
     return jobs
 
 
