@@ -47,7 +47,7 @@ def train_flags(a) -> list[str]:
 
 def predict(flags: list[str]):
     from voodoo_quant.cli.tp import parse_train_flags
-    from voodoo_quant.memory.plan import dry_run
+    from voodoo_quant.memory.dry_run import dry_run
 
     return dry_run(parse_train_flags(flags)).memory
 

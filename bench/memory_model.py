@@ -2,7 +2,7 @@
 
 For each size a random Qwen3.5-shaped checkpoint (hybrid Gated DeltaNet + full attention) is saved
 to a temp dir with a random tokens file; `voodoo train` runs a few steps in a child process that
-reports its own peak RSS (``VmHWM``) at exit, and :func:`voodoo_quant.memory.plan.dry_run` predicts
+reports its own peak RSS (``VmHWM``) at exit, and :func:`voodoo_quant.memory.dry_run.dry_run` predicts
 the same run's CPU peak from the config alone. On CPU device memory and host memory are one RAM,
 so the prediction compared is :attr:`MemoryPlan.cpu_peak`. Printed: predicted, measured, error.
 
@@ -69,7 +69,7 @@ def mode_flags(mode: str) -> list[str]:
 
 def predict(argv: list[str], show: bool = False) -> float:
     from voodoo_quant.cli.tp import parse_train_flags
-    from voodoo_quant.memory.plan import dry_run
+    from voodoo_quant.memory.dry_run import dry_run
 
     cfg = parse_train_flags(argv[1:])
     mem = dry_run(cfg).memory

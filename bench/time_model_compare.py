@@ -18,7 +18,7 @@ from voodoo_quant.cli.tp import parse_train_flags
 from voodoo_quant.core import envs
 from voodoo_quant.gguf import recipe_inputs
 from voodoo_quant.memory import timing as tm
-from voodoo_quant.memory.plan import dry_run
+from voodoo_quant.memory.dry_run import dry_run
 from voodoo_quant.memory.rates import probe
 from voodoo_quant.memory.time_plan import convert_seconds, imatrix_seconds, plan_time, stock_seconds
 from voodoo_quant.training.guarantee import uniform_types

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from voodoo_quant.cli.tp import parse_train_flags
-from voodoo_quant.memory.plan import dry_run
+from voodoo_quant.memory.dry_run import dry_run
 
 STAGES = {  # (module, attribute) -> the time plan's stage
     ("voodoo_quant.training.trainer", "load_models"): "load and hash the weights",

@@ -14,6 +14,7 @@ from voodoo_quant.core import paths
 from voodoo_quant.core.errors import CorruptFileError
 from voodoo_quant.gguf import imatrix
 from voodoo_quant.gguf.imatrix import Entry, Imatrix, ImatrixMismatchError
+from voodoo_quant.gguf.imatrix_compute import compute_imatrix
 
 # HF → GGUF names of a Llama (gguf-py tensor_mapping.py), for the tests only.
 _LLAMA = {
@@ -175,7 +176,7 @@ def test_compute_imatrix_equals_numpy(tiny_llama):
     for h in hooks:
         h.remove()
 
-    im = imatrix.compute_imatrix(model, batches, llama_name, chunk_size=16, datasets=["rand"])
+    im = compute_imatrix(model, batches, llama_name, chunk_size=16, datasets=["rand"])
     assert len(im.entries) == 14
     assert im.chunk_size == 16 and im.datasets == ["rand"]
     for name, xs in captured.items():
@@ -197,9 +198,9 @@ def test_compute_imatrix_stops_before_an_unrecorded_head(tiny_llama):
     head_runs = []
     counter = tiny_llama.lm_head.register_forward_hook(lambda *a: head_runs.append(1))
     try:
-        skipped = imatrix.compute_imatrix(tiny_llama, batches, llama_name)
+        skipped = compute_imatrix(tiny_llama, batches, llama_name)
         assert head_runs == []  # the vocabulary-wide matmul never ran
-        with_head = imatrix.compute_imatrix(  # a map that records the head: it runs, and its entry is there
+        with_head = compute_imatrix(  # a map that records the head: it runs, and its entry is there
             tiny_llama, batches, lambda hf: "output.weight" if hf == "lm_head.weight" else llama_name(hf))
         assert head_runs == [1] and "output.weight" in with_head.entries
     finally:
@@ -214,20 +215,20 @@ def test_compute_imatrix_column_perm_and_refusals(tiny_llama):
     import torch
 
     batches = [torch.randint(0, 300, (1, 32), generator=torch.Generator().manual_seed(5))]
-    plain = imatrix.compute_imatrix(tiny_llama, batches, llama_name)
+    plain = compute_imatrix(tiny_llama, batches, llama_name)
     perm = np.arange(96)[::-1].copy()
-    permuted = imatrix.compute_imatrix(
+    permuted = compute_imatrix(
         tiny_llama, batches, llama_name,
         column_perm=lambda hf: perm if hf.endswith("down_proj.weight") else None)
     g = "blk.1.ffn_down.weight"
     assert np.array_equal(permuted.entries[g].sums, plain.entries[g].sums[perm])
     assert np.array_equal(permuted.entries["blk.1.attn_q.weight"].sums, plain.entries["blk.1.attn_q.weight"].sums)
     with pytest.raises(ImatrixMismatchError, match="no nn.Linear"):
-        imatrix.compute_imatrix(tiny_llama, batches, lambda hf: None)
+        compute_imatrix(tiny_llama, batches, lambda hf: None)
     with pytest.raises(ImatrixMismatchError, match=">= 16 rows"):
-        imatrix.compute_imatrix(tiny_llama, [torch.randint(0, 300, (1, 8))], llama_name)
+        compute_imatrix(tiny_llama, [torch.randint(0, 300, (1, 8))], llama_name)
     with pytest.raises(ImatrixMismatchError, match="not a permutation"):
-        imatrix.compute_imatrix(tiny_llama, batches, llama_name, column_perm=lambda hf: np.zeros(96, int))
+        compute_imatrix(tiny_llama, batches, llama_name, column_perm=lambda hf: np.zeros(96, int))
 
 
 # -- stock llama.cpp interop (slow) ------------------------------------------------------------
@@ -303,7 +304,7 @@ def test_compute_imatrix_matches_stock_llama_imatrix(stock_imatrix, imatrix_llam
     ids = tok(imatrix_text_file.read_text(encoding="utf-8"))["input_ids"]
     model = AutoModelForCausalLM.from_pretrained(imatrix_llama256_hf_dir, dtype=torch.float32)
     batches = [torch.tensor([ids[i * 64:(i + 1) * 64]]) for i in range(4)]
-    ours = imatrix.compute_imatrix(model, batches, llama_name, chunk_size=64)
+    ours = compute_imatrix(model, batches, llama_name, chunk_size=64)
     stock = imatrix.load(stock_imatrix)
     assert ours.names() == stock.names()
     for n in stock.names():

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from voodoo_quant.cli.tp import parse_train_flags
-from voodoo_quant.memory.plan import dry_run
+from voodoo_quant.memory.dry_run import dry_run
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG_27B = ROOT / "bench" / "configs" / "qwen35_27b"

@@ -72,7 +72,7 @@ def exported(sized):
 def test_the_dry_run_plans_the_budget_training_computes(sized):
     # `voodoo train --dry_run --target_size ...`: the same budget as the trainer's setup, from the same flags
     from voodoo_quant.cli.tp import parse_train_flags
-    from voodoo_quant.memory.plan import dry_run
+    from voodoo_quant.memory.dry_run import dry_run
     from voodoo_quant.training.trainer import Trainer
 
     d, root, common, target, rest = sized

@@ -18,7 +18,7 @@ from voodoo_quant.cli.app import app
 from voodoo_quant.cli.tp import parse_train_flags
 from voodoo_quant.core import qtypes as qt
 from voodoo_quant.memory import timing as tm
-from voodoo_quant.memory.plan import dry_run
+from voodoo_quant.memory.dry_run import dry_run
 from voodoo_quant.memory.rates import BASE, DERIVED, Rates, probe
 from voodoo_quant.memory.time_plan import plan_time, sequences, time_plan_for
 from voodoo_quant.model.lazyload import text_skeleton

@@ -51,7 +51,7 @@ def register(app: typer.Typer) -> None:
         args = list(ctx.args)
         cfg = parse_train_flags(args)
         if cfg.dry_run:  # the plan of every rank, from the config alone: nothing is launched
-            from ..memory.plan import dry_run  # lazy: keeps `voodoo --help` light
+            from ..memory.dry_run import dry_run  # lazy: keeps `voodoo --help` light
             from ..training.report import print_dry_run  # lazy: keeps `voodoo --help` light
             check_inputs(cfg, nproc, dry_run=True)
             print_dry_run(console, dry_run(cfg, world=nproc))

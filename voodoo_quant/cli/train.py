@@ -34,7 +34,7 @@ def register(app: typer.Typer) -> None:
         dry_run = cfg.dry_run
         try:
             if dry_run:  # from the config alone: no weights, no tokens file, no process group
-                from ..memory.plan import dry_run as plan_dry_run  # lazy: keeps `voodoo --help` light
+                from ..memory.dry_run import dry_run as plan_dry_run  # lazy: keeps `voodoo --help` light
 
                 if launched_rank() == 0:
                     print_dry_run(console, plan_dry_run(tiny(cfg), timing=True))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ..core import fileio
 from ..core.errors import ConfigError
-from ..gguf import imatrix
+from ..gguf.imatrix_compute import compute_imatrix
 from ..gguf.layout import find_layout, model_layouts
 from ..model import modeling
 from ..training.models import load_into
@@ -70,7 +70,7 @@ def compute(cfg: ImatrixConfig):
 
     batches = [tokens[i : i + cfg.batch_size] for i in range(0, tokens.shape[0], cfg.batch_size)]
     with torch.no_grad():
-        imx = imatrix.compute_imatrix(model, batches, name_map, column_perm=column_perm,
-                                      chunk_size=int(tokens.shape[1]), datasets=[str(cfg.tokens)])
+        imx = compute_imatrix(model, batches, name_map, column_perm=column_perm,
+                              chunk_size=int(tokens.shape[1]), datasets=[str(cfg.tokens)])
     imx.save_gguf(cfg.output)
     return imx

@@ -16,7 +16,8 @@ exceed), so the written file is at most ``--target_size``, as llama.cpp's ``llam
 --target-size`` counts it. tests/test_target_size.py exports one and checks.
 
 :func:`run_budget` is the one place a run's size flags become its budget: the trainer's setup
-(``training/setup.py`` ``plan_run``) and the dry run's plan (``memory/plan.py``) both call it.
+(``training/setup.py`` ``plan_run``) and the dry run (``memory/dry_run.py``; ``memory/plan.py`` when
+not given a budget) both call it.
 """
 
 from __future__ import annotations
