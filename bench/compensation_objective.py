@@ -88,10 +88,10 @@ def calibration_tokens(tokenizer, jsonl: Path | None, sequences: int, seq_len: i
 def collect(model, layers: list[int], tokens, batch: int) -> dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]:
     """(layer, input) → (H float32 n × n, imatrix vector: mean x² per column), from one forward
     pass of `tokens` stopped after the deepest layer asked for. H is accumulated by the product's
-    own hook (training/hessians.py, float32)."""
+    own hook (training/hessians.py, float32, its upper block triangle mirrored when done)."""
     import torch
 
-    from voodoo_quant.training.hessians import accumulating_hook
+    from voodoo_quant.training.hessians import accumulating_hook, finished
 
     acc: dict[str, torch.Tensor] = {}
     keys = {f"{L}:{INPUT[t]}": (L, INPUT[t], module) for L in layers
@@ -114,7 +114,8 @@ def collect(model, layers: list[int], tokens, batch: int) -> dict[tuple[int, str
     finally:
         for h in hooks:
             h.remove()
-    return {(L, i): (acc[k].numpy(), (torch.diagonal(acc[k]) / tokens.numel()).numpy()) for k, (L, i, _) in keys.items()}
+    hs = {k: finished(acc[k]) for k in keys}  # the accumulated upper block triangle, mirrored
+    return {(L, i): (hs[k], np.diagonal(hs[k]) / tokens.numel()) for k, (L, i, _) in keys.items()}
 
 
 def objective(W, Wq, H) -> float:

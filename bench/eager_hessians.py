@@ -17,6 +17,16 @@ the collection (``VmHWM`` reset after loading and paging in every weight, throug
 ``/proc/self/clear_refs``), beside its RSS before; the three files must be the same bytes. Threads: ``--threads`` (1) per child.
 
     nice -n 10 .venv/bin/python bench/eager_hessians.py [--sequences 16 --seq_len 128 --repeats 2]
+
+``--products``: instead, the accumulation itself on one thread, for x of ``--rows`` (2048) × n, n
+in ``--widths`` (1536 8960): the full product added to an n × n sum (``acc.add_(x.T @ x)``, what
+the hooks did before) against the upper block triangle the hooks add now
+(training/hessians.py ``add_gram_upper``), alternating, ``--repeats`` times each after a warm-up,
+with the mirror (``mirror_upper``, once per finished Hessian) timed apart. Printed per n: the
+blocks, the flops ratio (B+1)/(2B) and the median triangle ÷ full ratio of CPU seconds (the
+thread's; other jobs on the cores stretch wall time, not these) and of wall seconds.
+
+    OMP_NUM_THREADS=1 nice -n 10 .venv/bin/python bench/eager_hessians.py --products [--repeats 5]
 """
 
 from __future__ import annotations
@@ -84,6 +94,47 @@ def _passes(widths: list[int], budget: int) -> int:
     return n
 
 
+def products(a) -> dict:
+    """The --products comparison (module docstring): per width, the seconds of each side and the
+    median ratios."""
+    import time
+
+    import torch
+
+    from voodoo_quant.training.hessians import add_gram_upper, gram_edges, gram_flops, mirror_upper
+
+    torch.set_num_threads(1)
+
+    def timed(f) -> tuple[float, float]:
+        w, c = time.perf_counter(), time.thread_time()
+        f()
+        return time.thread_time() - c, time.perf_counter() - w
+
+    out: dict = {}
+    for n in a.widths:
+        x = torch.randn(a.rows, n, generator=torch.Generator().manual_seed(n))
+        acc = torch.zeros(n, n)
+        full = lambda: acc.add_(x.T @ x)  # noqa: E731
+        tri = lambda: add_gram_upper(acc, x)  # noqa: E731
+        full(), tri()  # warm-up
+        rows: dict[str, list] = {"full": [], "triangle": []}
+        for r in range(a.repeats):
+            for name, f in (("full", full), ("triangle", tri)) if r % 2 == 0 else (("triangle", tri), ("full", full)):
+                rows[name].append(timed(f))
+        mirror = statistics.median(timed(lambda: mirror_upper(acc))[0] for _ in range(3))
+        blocks = len(gram_edges(n)) - 1
+        cpu = statistics.median(t[0] / f[0] for t, f in zip(rows["triangle"], rows["full"]))
+        wall = statistics.median(t[1] / f[1] for t, f in zip(rows["triangle"], rows["full"]))
+        flops = gram_flops(a.rows, n) / (2.0 * a.rows * n * n)
+        out[n] = {"blocks": blocks, "flops_ratio": flops, "cpu_ratio": cpu, "wall_ratio": wall, "mirror_cpu_s": mirror,
+                  "full": rows["full"], "triangle": rows["triangle"]}
+        f_cpu = statistics.median(f[0] for f in rows["full"])
+        print(f"n {n:5d}  {blocks} block(s)  flops {flops:.3f}x  full {f_cpu:7.3f} CPU s "
+              f"({2.0 * a.rows * n * n / f_cpu / 1e9:.1f} GFLOP/s)  triangle/full: CPU {cpu:.3f}x, wall {wall:.3f}x "
+              f"(median of {a.repeats}); mirror {mirror:.3f} CPU s once per Hessian", flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hidden", type=int, default=512)
@@ -96,7 +147,16 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
+    ap.add_argument("--products", action="store_true", help="time the accumulation alone (module docstring)")
+    ap.add_argument("--rows", type=int, default=2048, help="--products: tokens per batch")
+    ap.add_argument("--widths", type=int, nargs="+", default=[1536, 8960], help="--products: input widths")
     a = ap.parse_args()
+    if a.products:
+        res = products(a)
+        if a.out:
+            a.out.parent.mkdir(parents=True, exist_ok=True)
+            a.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, "widths": res}, indent=1))
+        return
 
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -14,7 +14,7 @@ cores stretch neither side (their wall times moved 4× within one repeat):
 - ``K_FISHER``: training/layerwise.fisher_curvature (a Q8_0 menu: its curvature's dequantization
   taken out), flops of 4 layer + 3 head passes;
 - ``K_HESSIANS``: training/layer_hessians.collect_layerwise (arrays consumed, no file), flops of
-  its forward and xᵀx;
+  its forward and of xᵀx's upper block triangle (timing.hessian_flops);
 - ``K_PLAIN_STEP``: a plain forward+backward with weight gradients and a no-grad teacher forward,
   flops of 4 forwards;
 - ``LOAD_BYTES_PER_S``: model.modeling.load_model of `--model` (whatever the page cache holds);
@@ -180,8 +180,7 @@ def _k_constants(args) -> dict:
         c = collect_layerwise(model, plans, ids)
         s = _cpu(lambda: [h for _, h in c.arrays])
         g3 = gemm()
-        ks["K_HESSIANS"].append(k_of(s, 4 * T * shp.layer_flops + 2.0 * 4 * T * sum(n * n for n in shp.inputs),
-                                     [g2, g3]))
+        ks["K_HESSIANS"].append(k_of(s, 4 * T * shp.layer_flops + tm.hessian_flops(4 * T, shp.inputs), [g2, g3]))
         teacher = _small_model(args.model, args.layers)
 
         def plain_step():

@@ -91,7 +91,7 @@ def plan_time(cfg, model: nn.Module, plans: Sequence, budget: Budget, rates: Rat
                  f"{read / GB:.2f} GB read, {sel_bytes / GB:.2f} GB hashed"))
     if comp:
         tok = seqs.compensation * T
-        flops = tok * shp.layer_flops + 2.0 * tok * sum(n * n for n in shp.inputs)
+        flops = tok * shp.layer_flops + tm.hessian_flops(tok, shp.inputs)
         file_bytes = 4.0 * sum(n * n for n in shp.inputs)
         checked = 4.0 * sum(p.n_per_row ** 2 for p in plans if compensable(p, modules))
         s = (flops / rates.gemm * tm.K_HESSIANS + file_bytes / tm.DISK_BYTES_PER_S

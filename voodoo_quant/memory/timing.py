@@ -14,8 +14,10 @@ The stages, as ``Trainer.prepare`` and the method run them (one process, the CPU
   the weights the assignment records (sha256).
 * **Hessians** (``--error_compensation gptq``): one forward over ``--compensation_sequences`` ×
   ``--seq_len`` tokens through the decoder layers (training/layer_hessians.py, no logits) and
-  xᵀx per distinct layer input (2·tokens·n² flops each, at the GEMM rate), the file written at
-  :data:`DISK_BYTES_PER_S`, then each tensor's Hessian checked and hashed once (its cache key).
+  the upper block triangle of xᵀx per distinct layer input (:func:`hessian_flops`:
+  2·tokens·n²·(B+1)/(2B) flops each, B column blocks by training/hessians.py's rule, at the GEMM
+  rate), the file written at :data:`DISK_BYTES_PER_S`, then each tensor's Hessian checked and
+  hashed once (its cache key).
 * **candidates**: every (tensor, menu type) quantized by libggml-base on one thread per job
   (the probe's rate per type, with the imatrix vector where the imatrix covers the tensor, else
   the rate without one; the walk is priced with one), the jobs spread over ``VOODOO_QUANT_WORKERS`` processes at the
@@ -73,7 +75,7 @@ from ..candidates.compensate import STEP, applies
 from ..core import qtypes as qt
 from ..distributed.parallel import decoder_layers
 from ..gguf.imatrix import vector_hash
-from ..training.hessians import compensable, reader, shared_inputs
+from ..training.hessians import compensable, gram_flops, reader, shared_inputs
 from .rates import Rates
 
 # -- constants, each with where it was measured --------------------------------------------------
@@ -86,6 +88,8 @@ from .rates import Rates
 K_FORWARD = 0.90  # a no-grad forward, [1, 512] and [4, 512] (4 values 0.88–1.01)
 K_FISHER = 1.05  # training/layerwise.fisher_curvature, 4 layer + 3 head passes (0.99, 1.11)
 K_HESSIANS = 0.84  # training/layer_hessians.collect_layerwise, its forward + xᵀx (0.82, 0.86)
+# (measured when xᵀx was the full product and priced as 2·tokens·n²; now priced as its upper block triangle
+# at the same factor, not measured again)
 K_PLAIN_STEP = 1.00  # student forward+backward with weight gradients + teacher forward, 4 forwards (0.99, 1.01)
 # a gate training step ÷ that plain step: 1.04–1.07 on SmolLM2-135M, int8 codes and the mixing
 # kernel (docs/lab/2026-12-01-ladder-and-training-step.md, bench/step_ratio.py); not measured at 1.5B
@@ -193,6 +197,12 @@ def hessian_inputs(model: nn.Module, plans: Sequence) -> list[int]:
     except Exception:  # a model whose probe cannot run here: every tensor its own input
         owner = {p.name: p.name for p in chosen}
     return [width[src] for src in dict.fromkeys(owner.values())]
+
+
+def hessian_flops(tokens: float, inputs: Iterable[int]) -> float:
+    """The flops of the Hessians' products over `tokens` for inputs of these widths: each the upper
+    block triangle of xᵀx (training/hessians.py ``gram_flops``: (B+1)/(2B) of 2·tokens·n²)."""
+    return sum(gram_flops(tokens, n) for n in inputs)
 
 
 def _numel(p) -> int:

@@ -1,13 +1,16 @@
 """Layer-input Hessians for ``--error_compensation gptq`` (voodoo_quant/candidates/compensate.py).
 
 H = Σ xᵀx over the inputs x of every planned Linear, on the first ``--compensation_sequences``
-training sequences, from the float model before the gates replace its weights. Tensors that read
-the same input (q/k/v, gate/up) share one accumulator. A tied embedding is compensated as the LM
-head it also is: its H is the head's input (the final hidden states), where its rounding error
-reaches every logit; the lookup's share of the error is left unweighted. Each H is stored in the
-GGUF tensor's column order, keyed by the HF tensor name, in ``<output_dir>/hessians.safetensors``
-(voodoo_quant/candidates/hessian_store.py); a later run (or size of a ladder) with the same
-inputs reuses it, and export maps it, checked by its sha256.
+training sequences, from the float model before the gates replace its weights. Each batch adds
+only the upper block triangle of xᵀx (:func:`add_gram_upper`, (B+1)/(2B) of the full product's
+flops), and the lower triangle is mirrored from it once, when the Hessian is emitted
+(:func:`finished`). Tensors that read the same input (q/k/v, gate/up) share one accumulator. A
+tied embedding is compensated as the LM head it also is: its H is the head's input (the final
+hidden states), where its rounding error reaches every logit; the lookup's share of the error is
+left unweighted. Each H is stored in the GGUF tensor's column order, keyed by the HF tensor
+name, in ``<output_dir>/hessians.safetensors`` (voodoo_quant/candidates/hessian_store.py); a
+later run (or size of a ladder) with the same inputs reuses it, and export maps it, checked by its
+sha256.
 
 A run collects it one decoder layer at a time, in one forward over the text
 (training/layer_hessians.py), from a loaded model (in place) or a skeleton (``--lazy``, tensor
@@ -105,7 +108,7 @@ def collect_passes(model: nn.Module, plans: Sequence, tokens: torch.Tensor, *, b
             while pending is not None and pending[1] in group:
                 name, src, cols = pending
                 if src in acc:
-                    h = acc[src].cpu().numpy()
+                    h = finished(acc[src])
                 else:  # never reached on this text (an unused expert): no column live, the plain bytes
                     h = np.zeros((width[src], width[src]), dtype=np.float32)
                 yield name, in_gguf_order(h, cols)
@@ -145,13 +148,72 @@ def in_gguf_order(h: np.ndarray, cols: np.ndarray | None) -> np.ndarray:
     return np.ascontiguousarray(h if cols is None else h[np.ix_(cols, cols)], dtype=np.float32)
 
 
+# the narrowest column block of the Gram accumulation (:func:`gram_edges`): each block row is one
+# GEMM of at least 768 × tokens × 768, at the kernel's full rate (on one thread of the 2-core machine,
+# 512- and 768-wide blocks of a [2048, 1536] x ran at the full product's flop rate)
+GRAM_BLOCK = 768
+
+
+def gram_edges(n: int) -> list[int]:
+    """The column edges the Gram accumulation of an n-wide input splits it at: B = max(1, n //
+    GRAM_BLOCK) blocks, as equal as integers allow (each 768–1535 wide; n < 1536 is one block, the
+    full product). At n = 1536 B = 2, at 8960 B = 11, at 17408 B = 22."""
+    b = max(1, n // GRAM_BLOCK)
+    return [i * n // b for i in range(b + 1)]
+
+
+def gram_flops(tokens: float, n: int) -> float:
+    """The flops :func:`add_gram_upper` spends on `tokens` rows of an n-wide input: block row i's
+    2·tokens·w_i·(n − a_i), in all 2·tokens·n²·(B+1)/(2B) where B (``len(gram_edges(n)) - 1``)
+    divides n, within 0.1 % of it elsewhere."""
+    edges = gram_edges(n)
+    return 2.0 * tokens * sum((b - a) * (n - a) for a, b in zip(edges[:-1], edges[1:]))
+
+
+def add_gram_upper(acc: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Add the upper block triangle of xᵀx (x: [tokens, n]) to `acc` (n × n) in place, and return it.
+
+    The n columns are split into B blocks (:func:`gram_edges`) and block row i gets x_iᵀ x[:, a_i:]
+    (one GEMM, summed into `acc` by it): the blocks i ≤ j, (B+1)/(2B) of the full product's
+    2·tokens·n² flops (0.75 at n = 1536, 0.545 at 8960). The blocks below the diagonal are not
+    touched, and the diagonal blocks are whole; :func:`mirror_upper` makes the sum the symmetric H,
+    once, when it is finished. The same x and `acc` give the same bytes: every collection (whole
+    model, layer by layer, loaded or skeleton) adds through here."""
+    edges = gram_edges(x.shape[1])
+    for a, b in zip(edges[:-1], edges[1:]):
+        acc[a:b, a:].addmm_(x[:, a:b].T, x[:, a:])
+    return acc
+
+
+def mirror_upper(h: torch.Tensor) -> torch.Tensor:
+    """The finished sum of :func:`add_gram_upper` made symmetric in place, block by block (no second
+    n × n buffer): below the diagonal blocks, and in each diagonal block below its diagonal, the
+    transpose of what lies above. Returns `h`."""
+    edges = gram_edges(h.shape[0])
+    for i, (a, b) in enumerate(zip(edges[:-1], edges[1:])):
+        d = h[a:b, a:b]
+        d.copy_(torch.triu(d) + torch.triu(d, 1).T)
+        for c, e in zip(edges[i + 1:-1], edges[i + 2:]):
+            h[c:e, a:b] = h[a:b, c:e].T
+    return h
+
+
 def accumulating_hook(acc: dict[str, torch.Tensor], name: str):
-    """A forward (or pre-) hook adding xᵀx (float32) of its module's input to ``acc[name]``."""
+    """A forward (or pre-) hook adding the upper block triangle of xᵀx (float32) of its module's
+    input to ``acc[name]`` (:func:`add_gram_upper`; zeros before the first batch). What it holds is
+    H once :func:`mirror_upper` has run on it."""
     def hook(mod, inp, out=None):
         x2 = inp[0].detach().reshape(-1, inp[0].shape[-1]).to(torch.float32)
-        h = x2.T @ x2
-        acc[name] = h if name not in acc else acc[name].add_(h)
+        if name not in acc:
+            acc[name] = x2.new_zeros(x2.shape[1], x2.shape[1])
+        add_gram_upper(acc[name], x2)
     return hook
+
+
+def finished(h: torch.Tensor) -> np.ndarray:
+    """An accumulator of :func:`accumulating_hook`, made H (:func:`mirror_upper`, where it lies) and
+    brought to the host as float32."""
+    return mirror_upper(h).cpu().numpy()
 
 
 def collect(model: nn.Module, plans: Sequence, tokens: torch.Tensor, *, batch_size: int = 4,
@@ -167,7 +229,8 @@ def collect(model: nn.Module, plans: Sequence, tokens: torch.Tensor, *, batch_si
 
 def _accumulate(model: nn.Module, readers: dict[str, nn.Module], tokens: torch.Tensor, batch_size: int,
                 device: torch.device, label: str | None) -> dict[str, torch.Tensor]:
-    """Σ xᵀx (float32, on `device`) of each reader's input over `tokens`."""
+    """Σ xᵀx (float32, on `device`) of each reader's input over `tokens`, its upper block triangle
+    (:func:`accumulating_hook`: :func:`finished` makes it H)."""
     acc: dict[str, torch.Tensor] = {}
     hooks = [m.register_forward_hook(accumulating_hook(acc, src)) for src, m in readers.items()]
     was_training = model.training

@@ -24,7 +24,7 @@ layer's accumulators. It runs on either kind of model, with one loop:
    call arguments, with the layers replaced by recorders (:func:`.layerwise.record`).
 3. **Layers.** Layer by layer: run without a graph on every batch with the hooks of the
    whole-model collection on its Linears, its output kept on the host as the next layer's input;
-   its Hessians written to the file (each at its declared offset:
+   its Hessians (each upper block triangle mirrored) written to the file (each at its declared offset:
    :func:`voodoo_quant.candidates.hessian_store.write_hessians`) and freed.
 4. **Head.** The model's own code after the layers (final norm, LM head) on the last hidden
    states: the LM head's input (a tied embedding's Hessian) is taken as it enters the head, and
@@ -52,7 +52,9 @@ import torch.nn as nn
 from ..core.errors import ConfigError
 from ..core.units import GB
 from ..distributed.parallel import decoder_layers
-from .hessians import Collection, accumulating_hook, compensable, in_gguf_order, reader, shared_inputs, stored_layout
+from .hessians import (
+    Collection, accumulating_hook, compensable, finished, in_gguf_order, reader, shared_inputs, stored_layout,
+)
 from .layerwise import (
     InPlace, LayerwiseUnsupported, Read, _buffers_to, _layer_index, _layers_replaced, _params, _release, evaluating,
     outside_buffers_to, record,
@@ -181,7 +183,7 @@ def _emit(order, acc: dict[str, torch.Tensor], width: dict[str, int], sources: s
         if src not in sources:
             continue
         if src in acc:
-            h = acc[src].cpu().numpy()
+            h = finished(acc[src])
         else:  # never reached on this text (an unused expert): no column live, the plain bytes
             h = np.zeros((width[src], width[src]), dtype=np.float32)
         yield name, in_gguf_order(h, cols)
