@@ -19,7 +19,7 @@ GPTQ, with a ggml block's columns fixed at once because they share a scale). A s
 32, or one 32-column sub-block of a 256-weight superblock. How the step's rounding Q is obtained
 is the sweep (:attr:`Compensation.sweep`):
 
-- ``"ruled"`` (:func:`_sweep_fixed`, the default): a 32-block is quantized by libggml-base as the
+- ``"ruled"`` (:func:`_sweep_fixed`): a 32-block is quantized by libggml-base as the
   walk reaches it. A superblock of :data:`fixed_rounding.SWEEP_TYPES` (K-quants, IQ4_XS) is
   quantized once, when the walk reaches it; its later steps are rounded in torch with that
   quantization's scales held fixed, and W' holds the rounded values (values its scales represent,
@@ -36,11 +36,15 @@ is the sweep (:attr:`Compensation.sweep`):
 - ``"fixed"``: as ``"ruled"``, but a grid IQ superblock is quantized again at every step, a
   libggml-base call on the whole superblock for each of its 8 steps (measured with a fixed-scale
   oracle instead: 8–36 % more layer error; requantizing every 2nd–8th step only, 8–37 %).
-- ``"packed"``: as ``"ruled"``, but each grid IQ step is rounded by the probe with the imatrix
-  slice repeated (the probe's σ²) and the probe's own scale ruler: 2.4–3.0× a plain candidate,
-  and 4–75 % more layer error than ``"fixed"`` on real tensors (the probe's rounding is as good
-  as the file's but not the file's). :data:`PACKED` walks named types so under ``"fixed"``
-  (a measured variant). float32, updates applied a group at a time; the factor from one Cholesky
+- ``"packed"`` (the default): as ``"ruled"``, but each step of a grid IQ type of
+  :data:`PACKED_SWEEP` (IQ3_S, IQ2_S, IQ2_XXS, IQ1_S) is rounded by the probe with the imatrix
+  slice repeated (the probe's σ²) and the probe's own scale ruler; the other ruled grid types
+  (:data:`PACKED_RULED`) are walked as under ``"ruled"``. 2.4–3.0× a plain candidate, and 4–75 %
+  more layer error than ``"fixed"`` on real tensors (the probe's rounding is as good as the
+  file's but not the file's); but the files' KLD on the 1.5B benchmark model is the same as the
+  ruled walk's within noise at two sizes and two eval texts, at 0.38× its train step
+  (docs/lab/2026-12-07-the-walk-in-files.md), so it is the default. :data:`PACKED` walks named
+  types so under ``"fixed"`` (a measured variant). float32, updates applied a group at a time; the factor from one Cholesky
   of the order-reversed H (``bench/compensation_cost.py``, ``bench/compensation_objective.py``).
 - ``"requant"`` (the walk of assignments made before the sweep was a choice): the superblock is
   quantized again after each of its sub-blocks, float64; except for the types of
@@ -73,7 +77,7 @@ from . import grid_probe
 ALGORITHM = "gptq-blocks/2"  # the "requant" sweep; /2: whole-superblock steps for WHOLE_SUPERBLOCK (Q5_K)
 FIXED_ALGORITHM = "gptq-fixed/2"  # the "ruled", "fixed" and "packed" sweeps (:func:`_sweep_fixed`; the digest adds which)
 SWEEPS = ("ruled", "fixed", "packed", "requant")
-DEFAULT_SWEEP = "ruled"
+DEFAULT_SWEEP = "packed"
 DEFAULT_DAMP = 0.1
 LAZY = 128  # columns of a 32-block type updated together before the rest of the row (one GEMM)
 STEP = 32  # columns fixed per step: a block, or a 256-superblock's sub-block (its scale's span)
@@ -108,6 +112,9 @@ PACKED_SWEEP = frozenset({"IQ3_S", "IQ2_S", "IQ2_XXS", "IQ1_S"})
 # (a third stage the ruler does not follow: 1.0465x the per-step walk's error measured on a
 # down_proj), so it is walked per step
 RULED_SWEEP = frozenset(grid_probe.RULES) - {"IQ1_M"}
+# the "packed" sweep's other grid types (IQ2_XS, IQ3_XXS: the probe's own ruler is not measured on
+# them): walked as under "ruled", so no grid type but IQ1_M is quantized again at every step
+PACKED_RULED = RULED_SWEEP - PACKED_SWEEP
 PACK_NORM = "rms"  # a probe row's norm: its superblock's RMS ("max": its largest 32-column RMS; measured)
 # the weights a probe's search uses (grid_probe.py): "probe", the imatrix slice repeated (the
 # probe superblock's σ², not the row's); "row", each position weighted as its row's own superblock
@@ -168,8 +175,8 @@ class Compensation:
         damping and the Hessian's bytes (computed once): a changed walk never reads old candidates."""
         if not self._digest:
             algo = f"{ALGORITHM}|{','.join(sorted(WHOLE_SUPERBLOCK))}" if self.sweep == "requant" else FIXED_ALGORITHM
-            if self.sweep == "packed":
-                algo += f"|packed={','.join(sorted(PACKED_SWEEP))}:{PACK_NORM}"
+            if self.sweep == "packed":  # /2: the ruled grid types outside PACKED_SWEEP walked ruled, not per step
+                algo += f"|packed={','.join(sorted(PACKED_SWEEP))}:{PACK_NORM}|ruled={','.join(sorted(PACKED_RULED))}"
             if self.sweep == "ruled":
                 algo += f"|ruled={','.join(sorted(RULED_SWEEP))}:{PACK_NORM}"
             elif (self.sweep == "packed" or PACKED) and PACK_WEIGHTS != "probe":
@@ -291,8 +298,9 @@ def compensated_matrix(matrix: np.ndarray, qtype: str | qt.QType, imatrix: np.nd
         if U is None:
             return m
         if comp.sweep != "requant":  # dead columns: no update reaches them, no error leaves them
-            packed = {"packed": PACKED_SWEEP, "ruled": RULED_SWEEP}.get(comp.sweep, PACKED)
-            return np.ascontiguousarray(_sweep_fixed(m, q, imatrix, U, dead, lib, B, packed, ruled=comp.sweep == "ruled"))
+            packed, ruled = {"packed": (PACKED_SWEEP, PACKED_RULED), "ruled": (frozenset(), RULED_SWEEP)}.get(
+                comp.sweep, (PACKED, frozenset()))
+            return np.ascontiguousarray(_sweep_fixed(m, q, imatrix, U, dead, lib, B, packed, ruled))
         W = torch.from_numpy(m.astype(np.float64))
         live = torch.from_numpy(~dead)
         step = B if q.name in WHOLE_SUPERBLOCK else min(B, STEP)
@@ -315,7 +323,7 @@ def compensated_matrix(matrix: np.ndarray, qtype: str | qt.QType, imatrix: np.nd
 
 
 def _sweep_fixed(m: np.ndarray, q: qt.QType, imatrix, M, dead, lib, B: int,
-                 packed: frozenset = frozenset(), *, ruled: bool = False) -> np.ndarray:
+                 packed: frozenset = frozenset(), ruled: frozenset = frozenset()) -> np.ndarray:
     """The "ruled", "fixed" and "packed" sweeps, in float32: W' for `m` with the error of every 32
     columns passed on.
 
@@ -324,10 +332,10 @@ def _sweep_fixed(m: np.ndarray, q: qt.QType, imatrix, M, dead, lib, B: int,
     libggml's values, each later step is rounded with that quantization's scales held fixed
     (fixed_rounding.py), and W' holds the rounded values: a superblock of values the quantizer's
     scales represent exactly, which libggml-base quantizes back to (nearly) the same values, so
-    the error passed on is the file's. A step of a `packed` type is rounded by libggml-base
-    on a probe of 8 rows' step columns (:func:`grid_probe.probe_rounding`); with `ruled`, each of
-    its superblocks is quantized when the walk reaches it (the first step's rounding) and the
-    later steps' scales are coded against that superblock's ruler
+    the error passed on is the file's. A step of a `packed` or `ruled` type is rounded by
+    libggml-base on a probe of 8 rows' step columns (:func:`grid_probe.probe_rounding`); for a
+    `ruled` type, each of its superblocks is quantized when the walk reaches it (the first step's
+    rounding) and the later steps' scales are coded against that superblock's ruler
     (:class:`grid_probe.SuperblockRuler`). Any other type (its block of 32, or a grid IQ
     superblock) is quantized by libggml-base at every step, as the "requant" sweep does; for
     these and the packed types W' holds the updated weights, and the row's last step (no later
@@ -360,8 +368,8 @@ def _sweep_fixed(m: np.ndarray, q: qt.QType, imatrix, M, dead, lib, B: int,
     steps = GRID_STEPS if grid and GRID_STEPS is not None else None
     hold = fixed or (steps is not None and GRID_HOLD)
     passes = int(GRID_PASSES) if grid else 0
-    pack = grid and q.name in packed
-    ruled = pack and ruled  # RULED_SWEEP's types, each in grid_probe.RULES
+    ruled = grid and q.name in ruled  # each in grid_probe.RULES
+    pack = ruled or (grid and q.name in packed)
     ruler = None
     for g0 in range(0, n, group):
         g1 = min(n, g0 + group)

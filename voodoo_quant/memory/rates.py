@@ -254,7 +254,7 @@ def byte_rates() -> tuple[float, float]:
 
 
 def probe(types: Iterable[str], *, hidden: int, intermediate: int, compensation: str | None = None,
-          sweep: str = "ruled", damp: float = 0.1, workers: int | None = None, rungs: int = 1, lib=None) -> Rates:
+          sweep: str = "packed", damp: float = 0.1, workers: int | None = None, rungs: int = 1, lib=None) -> Rates:
     """Measure this machine's rates for a run whose menus hold `types` (`rungs`: the most a tensor
     has), whose model is `hidden` wide with MLPs `intermediate` wide; `compensation` (the run's
     resolved ``--error_compensation``; None or "none": no walk probed), `sweep` and `damp` its
