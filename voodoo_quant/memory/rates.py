@@ -68,7 +68,9 @@ BASE = "IQ2_XXS"  # the probed grid type the DERIVED ones are priced from
 # ``bench/time_model.py constants`` (this module's quant_rates and compensation_rates on all seven
 # grid types, side by side; bench/results/time_model_constants.json), 2026-12-07, the 2-core
 # machine with other jobs on it (single runs scattered by up to ±30 %). Under "ruled" IQ1_M is
-# walked per step (compensate.RULED_SWEEP), under "packed" IQ2_XS and IQ1_M.
+# walked per step (compensate.RULED_SWEEP), under "packed" IQ2_XS and IQ1_M. Packed now walks IQ2_XS
+# as ruled does (compensate.PACKED_RULED), so its "packed" figure (per step) overprices it; not
+# re-measured (a rerun under load divided by a walk rate measured as 0 s).
 DERIVED: dict[str, dict[str, float]] = {
     "IQ2_XS": {"plain": 1.66, "ruled": 1.48, "fixed": 1.74, "packed": 12.7, "requant": 1.88},
     "IQ2_S": {"plain": 0.52, "ruled": 0.72, "fixed": 0.56, "packed": 0.64, "requant": 0.57},
