@@ -1,0 +1,285 @@
+"""A torch stand-in for libggml-base's rounding inside the compensation walk: the oracle of the
+``"proxy"`` sweep (compensate.py), which never calls libggml-base while it walks.
+
+Every walk that asks libggml-base how a step rounds pays one quantization's work in the walk and
+one more for the candidate's bytes, so it costs at least 2× a plain candidate. The proxy sweep
+rounds each 32-column step in torch instead, with a cheap model of the type's quantizer; the
+candidate's bytes are still ``ggml_quantize_chunk(W', imatrix)`` of the W' the walk leaves. Per
+type (:data:`TYPES`):
+
+- **Q8_0** (:func:`round_q8_0`): ``quantize_row_q8_0_ref`` itself (the imatrix is not read by
+  it): ``d = amax/127`` stored as fp16, codes ``roundf(x/d)``. The values are the quantizer's to the
+  bit, so the error the walk passes on is the file's and the walk needs no C call.
+- **Q4_K, Q5_K** (:class:`KQuantScales`): when the walk reaches a superblock, each 32-value
+  sub-block's scale and min are fitted in torch (``make_qkx3_quants``'s rule, the weighted
+  least-squares scale and min of the codes rounded at a few trial scales, the min kept ≤ 0,
+  with the quantizer's weights ``qw · sqrt(σ² + x²)``), then coded to 6 bits against fp16
+  ``d = max scale/63`` and ``dmin = max min/63`` (the format's storage). Every step of the
+  superblock is rounded to the nearest code at those scales, and W' holds the rounded values:
+  values the format represents, with one sub-block's scale (and min) at the top code, so that
+  libggml-base's fit of them finds them again.
+- **IQ2_XXS** (:class:`GridProxy`): each step's groups of 8 take their signs from the values
+  (an odd count of minus signs: the one costing least is flipped, as the format stores an even
+  count) and the grid entry nearest to the magnitudes in the weighted norm at a few trial scales
+  (one matrix product against the grid table for all of them), the sub-block's scale being the
+  weighted least-squares fit on the chosen entries' levels; the scale is coded against the
+  ruler of the superblock as it stands (grid_probe.py: ``l = clamp(nint((31 s/max s − 1)/2),
+  0, 15)``). This is not libggml-base's search (which scans each off-grid lattice point's
+  neighbour list, docs/lab/2026-12-07-grid-search-in-torch.md), and an IQ2_XXS quantization is
+  not a fixed point of the quantizer (its fitted scale of the stored values exceeds the stored
+  one), so W' keeps the updated weights and the values are the walk's prediction of the file's.
+
+The module is torch only and follows its inputs' device.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..core import qtypes as qt
+from ..core.errors import QuantizationInputError
+from ..quants.grids import table
+from . import grid_probe
+
+KQUANTS = {"Q4_K": 15, "Q5_K": 31}  # nmax of the codes
+GRIDS = frozenset({"IQ2_XXS"})
+TYPES = frozenset({"Q8_0", *KQUANTS, *GRIDS})
+VERSION = "proxy/1"  # part of the sweep's cache digest: a changed rounding never reads old candidates
+# the K-quant fit's trial inverse scales: (nmax + r) / (max − min) for these r (make_qkx3_quants
+# tries 37 of them from −0.9 by 0.05; fewer cost less, measured in bench/compensation_objective.py)
+K_TRIALS = (-0.9, -0.5, -0.2, 0.0, 0.25, 0.5, 0.85)
+# the grid search's trial scales: the sub-block's largest magnitude over these levels (libggml's
+# IQ2_XXS trials span about 5.9–7.5 levels from its make_qp_quants start)
+GRID_TRIALS = (5.9, 6.4, 6.9, 7.4)
+# how the ruler sees the superblock's sub-blocks not yet walked: "grid", each fitted on the levels
+# of a grid search of the whole superblock done when the walk reaches it; "lattice", on the
+# nearest level of each weight (no grid) at its own least-squares scale, redone every step
+LATER = "grid"
+
+
+def supports(qtype: str | qt.QType) -> bool:
+    return qt.get(qtype).name in TYPES
+
+
+def _fp16(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.float16).to(torch.float32)
+
+
+def _roundf(v: torch.Tensor) -> torch.Tensor:
+    """C's ``roundf``: to nearest, halves away from zero (torch.round takes halves to even)."""
+    r = torch.round(v)
+    t = torch.trunc(v)
+    return torch.where((v - t).abs() == 0.5, t + torch.sign(v), r)
+
+
+def round_q8_0(x: torch.Tensor) -> torch.Tensor:
+    """The values libggml-base's Q8_0 gives `x` (rows × 32k float32): per block of 32,
+    ``fp16(d) · roundf(x · (1/d))`` with ``d = amax/127`` (``quantize_row_q8_0_ref``)."""
+    rows, n = x.shape
+    if n % 32:
+        raise QuantizationInputError(f"Q8_0 blocks of 32 do not tile {n} columns")
+    b = x.reshape(rows, n // 32, 32)
+    d = b.abs().amax(2, keepdim=True) / 127.0
+    inv = torch.where(d != 0, 1.0 / torch.where(d != 0, d, torch.ones_like(d)), torch.zeros_like(d))
+    return (_fp16(d) * _roundf(b * inv)).reshape(rows, n)
+
+
+def kquant_weights(x: torch.Tensor, v: torch.Tensor | None) -> torch.Tensor:
+    """The weight ``quantize_row_q4_K_impl`` / ``q5_K_impl`` gives each value of superblocks x
+    (rows × 256): ``qw · sqrt(σ² + x²)`` with σ² = 2 · mean x², or ``sqrt(σ²) + |x|`` without an
+    imatrix."""
+    s2 = 2.0 * x.square().mean(1, keepdim=True)
+    if v is None:
+        return s2.sqrt() + x.abs()
+    return v.unsqueeze(0) * (s2 + x * x).sqrt()
+
+
+class KQuantScales:
+    """A Q4_K/Q5_K superblock's 6-bit coded scales and mins, fitted in torch from `blk` (rows ×
+    256, the superblock as the walk reaches it) with imatrix slice `v` (256 values or None), and
+    the rounding of any of its columns to the nearest code at them (:meth:`round`)."""
+
+    def __init__(self, blk: torch.Tensor, q: str | qt.QType, v: torch.Tensor | None):
+        name = qt.get(q).name
+        if name not in KQUANTS:
+            raise QuantizationInputError(f"no K-quant proxy for {name}")
+        rows, width = blk.shape
+        if width != 256:
+            raise QuantizationInputError(f"a {name} superblock is 256 wide, got {width}")
+        self.nmax = nmax = KQUANTS[name]
+        x = blk.to(torch.float32)
+        w = kquant_weights(x, v).reshape(rows, 8, 1, 32)
+        xs = x.reshape(rows, 8, 1, 32)
+        lo = torch.clamp_max(xs.amin(3, keepdim=True), 0.0)
+        hi = xs.amax(3, keepdim=True)
+        span = hi - lo
+        flat = span <= 0
+        span = torch.where(flat, torch.ones_like(span), span)
+        r = torch.tensor(K_TRIALS, dtype=torch.float32, device=x.device).reshape(1, 1, -1, 1)
+        L = torch.clamp(torch.round((nmax + r) / span * (xs - lo)), 0, nmax)  # rows × 8 × trials × 32
+        sw, sx = w.sum(3), (w * xs).sum(3)
+        sl, sl2, sxl = (w * L).sum(3), (w * L * L).sum(3), (w * xs * L).sum(3)
+        D = sw * sl2 - sl * sl
+        ok = D > 0
+        Ds = torch.where(ok, D, torch.ones_like(D))
+        scale = (sw * sxl - sx * sl) / Ds
+        mn = (sl2 * sx - sl * sxl) / Ds
+        pos = mn > 0  # the format subtracts a min ≥ 0: refit the scale alone
+        scale = torch.where(pos, sxl / torch.where(sl2 > 0, sl2, torch.ones_like(sl2)), scale)
+        mn = torch.where(pos | ~ok, torch.zeros_like(mn), mn)
+        scale = torch.where(ok, scale, torch.zeros_like(scale))
+        err = (w * (scale.unsqueeze(3) * L + mn.unsqueeze(3) - xs).square()).sum(3)
+        best = err.argmin(2, keepdim=True)
+        s = torch.clamp_min(scale.gather(2, best).squeeze(2), 0.0)  # rows × 8
+        m = torch.clamp_min(-mn.gather(2, best).squeeze(2), 0.0)
+        s = torch.where(flat.squeeze(3).squeeze(2), torch.zeros_like(s), s)
+        m = torch.where(flat.squeeze(3).squeeze(2), torch.clamp_min(-xs.amin(3).squeeze(2), 0.0), m)
+        self.d_sub, self.m_sub = self._code(s), self._code(m)  # rows × 8: d·sc, dmin·mn
+
+    @staticmethod
+    def _code(s: torch.Tensor) -> torch.Tensor:
+        """s (rows × 8, ≥ 0) coded as the format stores it: fp16 ``d = max s/63``, 6-bit
+        ``l = nint(s/d)``; the value is ``fp16(d) · l`` (the dequantizer's product)."""
+        d = s.amax(1, keepdim=True) / 63.0
+        d16 = _fp16(d)
+        safe = torch.where(d16 > 0, d16, torch.ones_like(d16))
+        l = torch.where(d16 > 0, torch.clamp(torch.round(s / safe), 0, 63), torch.zeros_like(s))
+        return d16 * l
+
+    def round(self, x: torch.Tensor, c0: int, c1: int) -> torch.Tensor:
+        """The values columns c0:c1 of the superblock (x: rows × (c1 − c0), 32-aligned) take at
+        the coded scales: ``d·sc · q − dmin·mn`` with q the nearest code in 0..nmax."""
+        j0, j1 = c0 // 32, (c1 + 31) // 32
+        d = self.d_sub[:, j0:j1].repeat_interleave(32, 1)[:, :c1 - c0]
+        m = self.m_sub[:, j0:j1].repeat_interleave(32, 1)[:, :c1 - c0]
+        live = d > 0
+        code = torch.clamp(torch.round((x + m) / torch.where(live, d, torch.ones_like(d))), 0, self.nmax)
+        return torch.where(live, d * code - m, -m)
+
+
+def _grid(name: str, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, levels) of grid type `name` (entries × 8): the dequantizer's magnitudes and the
+    search's odd levels (grid_probe.levels)."""
+    g = table({"IQ2_XXS": "iq2xxs_grid"}[name], device)
+    return g, grid_probe.levels(g, qt.get(name)).to(torch.float32)
+
+
+class GridProxy:
+    """One IQ2_XXS superblock (rows × 256) walked 32 columns at a time, rounded in torch.
+
+    Made when the walk reaches the superblock; :meth:`round` gives a step's values from the
+    superblock as it stands then. The step's grid entries and signs come from :func:`search`,
+    its scale s is their weighted least-squares fit, and s is coded against the ruler
+    ``max s / 31`` over the superblock's sub-blocks: those walked as fitted at their step, the
+    step's, and the later ones fitted on the current values (:data:`LATER`)."""
+
+    def __init__(self, blk: torch.Tensor, q: str | qt.QType, v: torch.Tensor | None):
+        self.q = qt.get(q)
+        if self.q.name not in GRIDS:
+            raise QuantizationInputError(f"no grid proxy for {self.q.name}")
+        self.div, self.lmax, self.g, _ = grid_probe.RULES[self.q.name]
+        self.v = v
+        self.codes, self.levels = _grid(self.q.name, blk.device)
+        rows = blk.shape[0]
+        self.s = torch.zeros(rows, blk.shape[1] // self.g, dtype=torch.float32, device=blk.device)
+        self.first = None
+        if LATER == "grid":  # one search of the whole superblock: the first step's, and the others' levels
+            x = blk.to(torch.float32)
+            wt = self.weights(x)
+            self.first = self.search(x, wt)
+            self.later_levels = self.first[1]
+
+    def weights(self, blk: torch.Tensor) -> torch.Tensor:
+        """The search's weight of each value of the superblock `blk` (rows × 256):
+        ``qw · sqrt(σ² + x²)`` with σ² its mean square (grid_probe.search_weights), or x²
+        without an imatrix."""
+        if self.v is None:
+            return blk * blk
+        s2 = grid_probe.SIGMA2_SCALE[self.q.name] * blk.square().mean(1, keepdim=True)
+        return self.v.unsqueeze(0) * (s2 + blk * blk).sqrt()
+
+    def search(self, x: torch.Tensor, wt: torch.Tensor):
+        """Per 32-value sub-block of x (rows × 32k) with weights wt: (signed dequantizer codes,
+        signed levels, s per sub-block). The grid entry of each group of 8 minimizes
+        Σ wt (s·level − |x|)² at each trial scale; the trial whose fit explains most
+        (largest (Σ wt·|x|·level)² / Σ wt·level²) is kept, and the entries are chosen once more
+        at its fitted scale and fitted again (the order of libggml-base's search)."""
+        rows, n = x.shape
+        xg = x.reshape(-1, 8)
+        wg = wt.reshape(-1, 8)
+        neg = xg < 0
+        mag = xg.abs()
+        odd = (neg.sum(1) % 2) == 1
+        flip = torch.nn.functional.one_hot((wg * xg * xg).argmin(1), 8).bool() & odd.unsqueeze(1)
+        mag = torch.where(flip, -mag, mag)
+        neg = neg ^ flip
+        lev = self.levels
+        A = wg @ (lev * lev).T  # Σ w·level² per (group, entry)
+        Bm = (wg * mag) @ lev.T  # Σ w·|x|·level
+        per = self.g // 8  # groups per sub-block
+        sub = mag.reshape(-1, per * 8).amax(1)
+        best_score = torch.full_like(sub, -1.0)
+        best_s = torch.zeros_like(sub)
+
+        def pick(s):
+            t = (2.0 / torch.where(s > 0, s, torch.ones_like(s))).repeat_interleave(per).unsqueeze(1)
+            idx = torch.addcmul(A, Bm, t, value=-1.0).argmin(1)
+            a = A.gather(1, idx.unsqueeze(1)).reshape(-1, per).sum(1)
+            b = Bm.gather(1, idx.unsqueeze(1)).reshape(-1, per).sum(1)
+            return idx, a, b
+
+        for r in GRID_TRIALS:
+            _, a, b = pick(sub / r)
+            score = torch.where(a > 0, b * b / torch.where(a > 0, a, torch.ones_like(a)), torch.zeros_like(a))
+            take = score > best_score
+            best_score = torch.where(take, score, best_score)
+            best_s = torch.where(take, b / torch.where(a > 0, a, torch.ones_like(a)), best_s)
+        idx, a, b = pick(best_s)
+        s = torch.where((a > 0) & (sub > 0), b / torch.where(a > 0, a, torch.ones_like(a)), torch.zeros_like(a))
+        sign = torch.where(neg, -1.0, 1.0)
+        code = (self.codes[idx] * sign).reshape(rows, n)
+        levels = (lev[idx] * sign).reshape(rows, n)
+        return code, levels, torch.clamp_min(s, 0.0).reshape(rows, -1)
+
+    def _later(self, x: torch.Tensor, wt: torch.Tensor, c1: int) -> torch.Tensor:
+        """s of the sub-blocks after c1 as the superblock stands (x, wt: its columns c1:)."""
+        if x.shape[1] == 0:
+            return x[:, :0]
+        if LATER == "grid":
+            lev = self.later_levels[:, c1:]
+        else:  # each weight's nearest odd level (1, 3, 5) at the least-squares scale of its largest at 5
+            a = x.abs().reshape(x.shape[0], -1, self.g)
+            s0 = a.amax(2, keepdim=True) / 5.0
+            lev = (2 * torch.clamp(torch.round((a / torch.where(s0 > 0, s0, torch.ones_like(s0)) - 1) / 2), 0, 2) + 1)
+            lev = (lev * torch.sign(x).reshape(lev.shape)).reshape(x.shape)
+        return grid_probe.fit(x, lev, wt, self.g)
+
+    def round(self, c0: int, blk: torch.Tensor) -> torch.Tensor:
+        """The values of columns c0:c0+32 of `blk`, the superblock as it stands (rows × 32,
+        float32): ``fp16(d)·(0.5 + l)·0.25 · code`` with ``d = max s/31`` and
+        ``l = clamp(nint((s/d − 1)/2), 0, 15)`` (the dequantizer's product, left to right)."""
+        c1 = c0 + 32
+        x = blk.to(torch.float32)
+        wt = self.weights(x)
+        if c0 == 0 and self.first is not None:
+            code, _, s_now = self.first[0][:, :32], None, self.first[2][:, :1]
+        else:
+            code, _, s_now = self.search(x[:, c0:c1], wt[:, c0:c1])
+        j0 = c0 // self.g
+        later = self._later(x[:, c1:], wt[:, c1:], c1)
+        m = torch.cat([self.s[:, :j0], s_now, later], 1).amax(1, keepdim=True)
+        self.s[:, j0:j0 + 1] = s_now
+        d = m / self.div
+        inv = torch.where(d > 0, 1.0 / torch.where(d > 0, d, torch.ones_like(d)), torch.zeros_like(d))
+        l = torch.clamp(torch.round(0.5 * (inv * s_now - 1)), 0, self.lmax)
+        db = _fp16(d) * (0.5 + l) * 0.25
+        return (db * code).to(torch.float32)
+
+
+def as_vector(v, device) -> torch.Tensor | None:
+    """An imatrix slice (numpy or torch, or None) as a float32 tensor on `device`."""
+    if v is None:
+        return None
+    return torch.as_tensor(np.asarray(v, dtype=np.float32) if not isinstance(v, torch.Tensor) else v,
+                           dtype=torch.float32, device=device)
