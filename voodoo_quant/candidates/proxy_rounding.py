@@ -56,6 +56,11 @@ GRID_TRIALS = (5.9, 6.4, 6.9, 7.4)
 # of a grid search of the whole superblock done when the walk reaches it; "lattice", on the
 # nearest level of each weight (no grid) at its own least-squares scale, redone every step
 LATER = "grid"
+# "held": the grid steps rounded to stored values that W' holds (HeldGridProxy); "predicted": the
+# walk's prediction of how libggml-base rounds W' (GridProxy, W' keeps the updated weights)
+GRID_MODE = "held"
+# the K-quants' min fitted again at the sub-block's coded scale before it is coded (measured)
+REFIT_MIN = True
 
 
 def supports(qtype: str | qt.QType) -> bool:
@@ -135,17 +140,37 @@ class KQuantScales:
         m = torch.clamp_min(-mn.gather(2, best).squeeze(2), 0.0)
         s = torch.where(flat.squeeze(3).squeeze(2), torch.zeros_like(s), s)
         m = torch.where(flat.squeeze(3).squeeze(2), torch.clamp_min(-xs.amin(3).squeeze(2), 0.0), m)
-        self.d_sub, self.m_sub = self._code(s), self._code(m)  # rows × 8: d·sc, dmin·mn
+        sw = w.sum(3).squeeze(2)  # rows × 8: each sub-block's weight in the scales' fit
+        self.d_sub = self._code(s, sw)  # rows × 8: d·sc
+        if REFIT_MIN:  # the best min at the coded scale: codes rounded at it, min = Σw(d·L − x)/Σw
+            d = self.d_sub.unsqueeze(2)
+            x3, w3 = xs.squeeze(2), w.squeeze(2)
+            live = d > 0
+            ds = torch.where(live, d, torch.ones_like(d))
+            L = torch.clamp(torch.round((x3 + m.unsqueeze(2)) / ds), 0, nmax)
+            fit = ((w3 * (d * L - x3)).sum(2) / torch.where(sw > 0, sw, torch.ones_like(sw)))
+            m = torch.where(live.squeeze(2) & (sw > 0), torch.clamp_min(fit, 0.0), m)
+        self.m_sub = self._code(m, sw)  # dmin·mn
 
     @staticmethod
-    def _code(s: torch.Tensor) -> torch.Tensor:
-        """s (rows × 8, ≥ 0) coded as the format stores it: fp16 ``d = max s/63``, 6-bit
-        ``l = nint(s/d)``; the value is ``fp16(d) · l`` (the dequantizer's product)."""
-        d = s.amax(1, keepdim=True) / 63.0
-        d16 = _fp16(d)
-        safe = torch.where(d16 > 0, d16, torch.ones_like(d16))
-        l = torch.where(d16 > 0, torch.clamp(torch.round(s / safe), 0, 63), torch.zeros_like(s))
-        return d16 * l
+    def _code(s: torch.Tensor, sw: torch.Tensor) -> torch.Tensor:
+        """s (rows × 8, ≥ 0) coded as the format stores it: fp16 d and 6-bit codes l, the value
+        ``fp16(d) · l`` (the dequantizer's product). d is the weighted (`sw`) least-squares fit
+        of s on the codes of the trial ``1/d = (63 + k/10)/max s`` (k = −4..4) whose codes fit
+        best (``make_qp_quants``'s rule, without its code-by-code refinement), so the largest
+        s has code 63 and libggml-base's fit of the coded values finds the same d."""
+        mx = s.amax(1, keepdim=True)
+        safe = torch.where(mx > 0, mx, torch.ones_like(mx))
+        k = torch.arange(-4, 5, dtype=s.dtype, device=s.device).reshape(1, 1, -1) / 10.0
+        inv = (63.0 + k) / safe.unsqueeze(2)  # rows × 1 × trials
+        L = torch.clamp(torch.round(s.unsqueeze(2) * inv), 0, 63)  # rows × 8 × trials
+        e = (sw.unsqueeze(2) * (s.unsqueeze(2) - L / inv).square()).sum(1)  # rows × trials
+        L = L.gather(2, e.argmin(1).reshape(-1, 1, 1).expand(-1, s.shape[1], 1)).squeeze(2)
+        den = (sw * L * L).sum(1, keepdim=True)
+        d = torch.where(den > 0, (sw * s * L).sum(1, keepdim=True) / torch.where(den > 0, den, torch.ones_like(den)),
+                        torch.zeros_like(den))
+        d16 = _fp16(torch.where(mx > 0, d, torch.zeros_like(d)))
+        return d16 * L
 
     def round(self, x: torch.Tensor, c0: int, c1: int) -> torch.Tensor:
         """The values columns c0:c1 of the superblock (x: rows × (c1 − c0), 32-aligned) take at
@@ -199,12 +224,15 @@ class GridProxy:
         s2 = grid_probe.SIGMA2_SCALE[self.q.name] * blk.square().mean(1, keepdim=True)
         return self.v.unsqueeze(0) * (s2 + blk * blk).sqrt()
 
-    def search(self, x: torch.Tensor, wt: torch.Tensor):
+    def search(self, x: torch.Tensor, wt: torch.Tensor, basis: torch.Tensor | None = None,
+               at: torch.Tensor | None = None):
         """Per 32-value sub-block of x (rows × 32k) with weights wt: (signed dequantizer codes,
-        signed levels, s per sub-block). The grid entry of each group of 8 minimizes
-        Σ wt (s·level − |x|)² at each trial scale; the trial whose fit explains most
-        (largest (Σ wt·|x|·level)² / Σ wt·level²) is kept, and the entries are chosen once more
-        at its fitted scale and fitted again (the order of libggml-base's search)."""
+        signed levels, s per sub-block (rows × k)). The grid entry of each group of 8 minimizes
+        Σ wt (s·b − |x|)² with b the entry in `basis` (default: the search's levels; the
+        dequantizer's codes give s in the dequantizer's units) at each trial scale; the trial
+        whose fit explains most (largest (Σ wt·|x|·b)² / Σ wt·b²) is kept, and the entries are
+        chosen once more at its fitted scale and fitted again (the order of libggml-base's
+        search). With `at` (rows × k) the entries are chosen at that scale alone, and s is it."""
         rows, n = x.shape
         xg = x.reshape(-1, 8)
         wg = wt.reshape(-1, 8)
@@ -214,13 +242,10 @@ class GridProxy:
         flip = torch.nn.functional.one_hot((wg * xg * xg).argmin(1), 8).bool() & odd.unsqueeze(1)
         mag = torch.where(flip, -mag, mag)
         neg = neg ^ flip
-        lev = self.levels
-        A = wg @ (lev * lev).T  # Σ w·level² per (group, entry)
-        Bm = (wg * mag) @ lev.T  # Σ w·|x|·level
+        lev = self.levels if basis is None else basis
+        A = wg @ (lev * lev).T  # Σ w·b² per (group, entry)
+        Bm = (wg * mag) @ lev.T  # Σ w·|x|·b
         per = self.g // 8  # groups per sub-block
-        sub = mag.reshape(-1, per * 8).amax(1)
-        best_score = torch.full_like(sub, -1.0)
-        best_s = torch.zeros_like(sub)
 
         def pick(s):
             t = (2.0 / torch.where(s > 0, s, torch.ones_like(s))).repeat_interleave(per).unsqueeze(1)
@@ -229,17 +254,25 @@ class GridProxy:
             b = Bm.gather(1, idx.unsqueeze(1)).reshape(-1, per).sum(1)
             return idx, a, b
 
-        for r in GRID_TRIALS:
-            _, a, b = pick(sub / r)
-            score = torch.where(a > 0, b * b / torch.where(a > 0, a, torch.ones_like(a)), torch.zeros_like(a))
-            take = score > best_score
-            best_score = torch.where(take, score, best_score)
-            best_s = torch.where(take, b / torch.where(a > 0, a, torch.ones_like(a)), best_s)
-        idx, a, b = pick(best_s)
-        s = torch.where((a > 0) & (sub > 0), b / torch.where(a > 0, a, torch.ones_like(a)), torch.zeros_like(a))
+        if at is not None:
+            idx, _, _ = pick(at.reshape(-1))
+            s = at.reshape(-1)
+        else:
+            unit = float(lev.amax() / self.levels.amax())  # the basis' largest over the levels' largest
+            sub = mag.reshape(-1, per * 8).amax(1)
+            best_score = torch.full_like(sub, -1.0)
+            best_s = torch.zeros_like(sub)
+            for r in GRID_TRIALS:
+                _, a, b = pick(sub / (r * unit))
+                score = torch.where(a > 0, b * b / torch.where(a > 0, a, torch.ones_like(a)), torch.zeros_like(a))
+                take = score > best_score
+                best_score = torch.where(take, score, best_score)
+                best_s = torch.where(take, b / torch.where(a > 0, a, torch.ones_like(a)), best_s)
+            idx, a, b = pick(best_s)
+            s = torch.where((a > 0) & (sub > 0), b / torch.where(a > 0, a, torch.ones_like(a)), torch.zeros_like(a))
         sign = torch.where(neg, -1.0, 1.0)
         code = (self.codes[idx] * sign).reshape(rows, n)
-        levels = (lev[idx] * sign).reshape(rows, n)
+        levels = (self.levels[idx] * sign).reshape(rows, n)
         return code, levels, torch.clamp_min(s, 0.0).reshape(rows, -1)
 
     def _later(self, x: torch.Tensor, wt: torch.Tensor, c1: int) -> torch.Tensor:
@@ -283,3 +316,64 @@ def as_vector(v, device) -> torch.Tensor | None:
         return None
     return torch.as_tensor(np.asarray(v, dtype=np.float32) if not isinstance(v, torch.Tensor) else v,
                            dtype=torch.float32, device=device)
+
+
+class HeldGridProxy(GridProxy):
+    """One IQ2_XXS superblock walked 32 columns at a time, each step rounded in torch to values
+    the format stores, which libggml-base's quantization of W' gives back (W' holds them).
+
+    When the walk reaches the superblock, a search of all its sub-blocks (in the dequantizer's
+    units) fixes the ruler: fp16 ``d`` with the largest sub-block's scale at the top code,
+    ``d · (0.5 + 15) · 0.25``. Each step's entries and scale are then searched, the scale coded
+    ``l = clamp(nint(s/(d/4) − 0.5), 0, 15)`` (the largest sub-block's step: l = 15), and the
+    entries chosen again at the coded scale; the step's values are
+    ``fp16(d)·(0.5 + l)·0.25 · code`` (:meth:`round`, what the file should hold).
+
+    An IQ2_XXS quantization is not a fixed point of libggml-base's quantizer: it fits each
+    sub-block's scale on the levels (1, 3, 5) while the stored magnitudes are 8, 25, 43, so the
+    scale it finds for stored values is theirs times ``r/8`` with ``r = Σ w·c·level / Σ w·level²``
+    (w its search weights), and it would set a ruler r/8 higher. W' therefore holds each step's
+    values times ``8/r`` (:attr:`held`): the fit then finds ``fp16(d)·(2l + 1)``, the ruler ``d``
+    and the codes ``l``, and the values are the step's."""
+
+    def __init__(self, blk: torch.Tensor, q: str | qt.QType, v: torch.Tensor | None):
+        self.q = qt.get(q)
+        if self.q.name not in GRIDS:
+            raise QuantizationInputError(f"no grid proxy for {self.q.name}")
+        self.div, self.lmax, self.g, _ = grid_probe.RULES[self.q.name]
+        self.v = v
+        self.codes, self.levels = _grid(self.q.name, blk.device)
+        x = blk.to(torch.float32)
+        _, _, s = self.search(x, self.weights(x), self.codes.abs())  # rows × 8, dequantizer units
+        self.top = s.argmax(1, keepdim=True)
+        self.d16 = _fp16(s.gather(1, self.top) / ((0.5 + self.lmax) * 0.25))  # rows × 1
+        self.held = None
+
+    def round(self, c0: int, blk: torch.Tensor) -> torch.Tensor:
+        """The values of columns c0:c0+32 of `blk` (the superblock as it stands: columns before
+        c0 as held) that the file should hold; :attr:`held` is what W' holds for them."""
+        c1 = c0 + 32
+        j = c0 // self.g
+        x = blk.to(torch.float32)
+        wt = self.weights(x)
+        basis = self.codes.abs()
+        unit = self.d16 * 0.25  # rows × 1: the scale of l + 0.5
+        _, _, s = self.search(x[:, c0:c1], wt[:, c0:c1], basis)
+        safe = torch.where(unit > 0, unit, torch.ones_like(unit))
+        l = torch.clamp(torch.round(s / safe - 0.5), 0, self.lmax)
+        l = torch.where(self.top == j, torch.full_like(l, self.lmax), l)
+        db = self.d16 * (0.5 + l) * 0.25  # the dequantizer's product, left to right
+        code, lev, _ = self.search(x[:, c0:c1], wt[:, c0:c1], basis, at=db)
+        vals = (db * code).to(torch.float32)
+        held = vals
+        for _ in range(2):  # the fit's weights are the held values' own: settle them
+            now = x.clone()
+            now[:, c0:c1] = held
+            w = self.weights(now)[:, c0:c1]
+            num = (w * code.abs() * lev.abs()).sum(1, keepdim=True)
+            den = (w * lev * lev).sum(1, keepdim=True)
+            r = torch.where((num > 0) & (den > 0), num / torch.where(den > 0, den, torch.ones_like(den)),
+                            torch.full_like(num, 8.0))
+            held = vals * (8.0 / r)
+        self.held = held
+        return vals
