@@ -59,6 +59,7 @@ LATER = "grid"
 # "held": the grid steps rounded to stored values that W' holds (HeldGridProxy); "predicted": the
 # walk's prediction of how libggml-base rounds W' (GridProxy, W' keeps the updated weights)
 GRID_MODE = "held"
+SEARCH_GROUPS = 2048  # groups of 8 searched at once (their distances to the 256 entries: 2 MB each for A and B)
 # the K-quants' min fitted again at the sub-block's coded scale before it is coded (measured)
 REFIT_MIN = True
 
@@ -232,7 +233,18 @@ class GridProxy:
         dequantizer's codes give s in the dequantizer's units) at each trial scale; the trial
         whose fit explains most (largest (Σ wt·|x|·b)² / Σ wt·b²) is kept, and the entries are
         chosen once more at its fitted scale and fitted again (the order of libggml-base's
-        search). With `at` (rows × k) the entries are chosen at that scale alone, and s is it."""
+        search). With `at` (rows × k) the entries are chosen at that scale alone, and s is it.
+        Done :data:`SEARCH_GROUPS` groups at a time, so that each chunk's distances to the grid
+        stay in cache through its trials."""
+        rows, n = x.shape
+        step = max(1, SEARCH_GROUPS * 8 // n)
+        if rows > step:
+            parts = [self._search(x[r:r + step], wt[r:r + step], basis, None if at is None else at[r:r + step])
+                     for r in range(0, rows, step)]
+            return tuple(torch.cat(p) for p in zip(*parts))
+        return self._search(x, wt, basis, at)
+
+    def _search(self, x: torch.Tensor, wt: torch.Tensor, basis: torch.Tensor | None, at: torch.Tensor | None):
         rows, n = x.shape
         xg = x.reshape(-1, 8)
         wg = wt.reshape(-1, 8)
