@@ -59,6 +59,8 @@ LATER = "grid"
 # "held": the grid steps rounded to stored values that W' holds (HeldGridProxy); "predicted": the
 # walk's prediction of how libggml-base rounds W' (GridProxy, W' keeps the updated weights)
 GRID_MODE = "held"
+# the trials of the search that fixes a held superblock's ruler when the walk reaches it
+REACH_TRIALS = (6.6,)
 SEARCH_GROUPS = 2048  # groups of 8 searched at once (their distances to the 256 entries: 2 MB each for A and B)
 # the K-quants' min fitted again at the sub-block's coded scale before it is coded (measured)
 REFIT_MIN = True
@@ -226,25 +228,28 @@ class GridProxy:
         return self.v.unsqueeze(0) * (s2 + blk * blk).sqrt()
 
     def search(self, x: torch.Tensor, wt: torch.Tensor, basis: torch.Tensor | None = None,
-               at: torch.Tensor | None = None):
+               at: torch.Tensor | None = None, then=None, trials: tuple = ()):
         """Per 32-value sub-block of x (rows × 32k) with weights wt: (signed dequantizer codes,
         signed levels, s per sub-block (rows × k)). The grid entry of each group of 8 minimizes
         Σ wt (s·b − |x|)² with b the entry in `basis` (default: the search's levels; the
         dequantizer's codes give s in the dequantizer's units) at each trial scale; the trial
         whose fit explains most (largest (Σ wt·|x|·b)² / Σ wt·b²) is kept, and the entries are
         chosen once more at its fitted scale and fitted again (the order of libggml-base's
-        search). With `at` (rows × k) the entries are chosen at that scale alone, and s is it.
+        search). With `at` (rows × k) the entries are chosen at that scale alone, and s is it;
+        with `then`, a function of (the best trial's fitted s, the rows' slice) giving each
+        sub-block's scale, the entries are chosen once more at that scale, and s is it.
+        `trials`: the trial scales' levels for the largest magnitude (default :data:`GRID_TRIALS`).
         Done :data:`SEARCH_GROUPS` groups at a time, so that each chunk's distances to the grid
         stay in cache through its trials."""
         rows, n = x.shape
         step = max(1, SEARCH_GROUPS * 8 // n)
         if rows > step:
-            parts = [self._search(x[r:r + step], wt[r:r + step], basis, None if at is None else at[r:r + step])
-                     for r in range(0, rows, step)]
+            parts = [self._search(x[r:r + step], wt[r:r + step], basis, None if at is None else at[r:r + step],
+                                  then, trials, slice(r, r + step)) for r in range(0, rows, step)]
             return tuple(torch.cat(p) for p in zip(*parts))
-        return self._search(x, wt, basis, at)
+        return self._search(x, wt, basis, at, then, trials, slice(0, rows))
 
-    def _search(self, x: torch.Tensor, wt: torch.Tensor, basis: torch.Tensor | None, at: torch.Tensor | None):
+    def _search(self, x, wt, basis, at, then, trials, rows_slice):
         rows, n = x.shape
         xg = x.reshape(-1, 8)
         wg = wt.reshape(-1, 8)
@@ -274,14 +279,18 @@ class GridProxy:
             sub = mag.reshape(-1, per * 8).amax(1)
             best_score = torch.full_like(sub, -1.0)
             best_s = torch.zeros_like(sub)
-            for r in GRID_TRIALS:
+            for r in trials or GRID_TRIALS:
                 _, a, b = pick(sub / (r * unit))
                 score = torch.where(a > 0, b * b / torch.where(a > 0, a, torch.ones_like(a)), torch.zeros_like(a))
                 take = score > best_score
                 best_score = torch.where(take, score, best_score)
                 best_s = torch.where(take, b / torch.where(a > 0, a, torch.ones_like(a)), best_s)
-            idx, a, b = pick(best_s)
-            s = torch.where((a > 0) & (sub > 0), b / torch.where(a > 0, a, torch.ones_like(a)), torch.zeros_like(a))
+            if then is not None:
+                s = then(torch.clamp_min(best_s, 0.0).reshape(rows, -1), rows_slice).reshape(-1)
+                idx, _, _ = pick(s)
+            else:
+                idx, a, b = pick(best_s)
+                s = torch.where((a > 0) & (sub > 0), b / torch.where(a > 0, a, torch.ones_like(a)), torch.zeros_like(a))
         sign = torch.where(neg, -1.0, 1.0)
         code = (self.codes[idx] * sign).reshape(rows, n)
         levels = (self.levels[idx] * sign).reshape(rows, n)
@@ -356,7 +365,7 @@ class HeldGridProxy(GridProxy):
         self.v = v
         self.codes, self.levels = _grid(self.q.name, blk.device)
         x = blk.to(torch.float32)
-        _, _, s = self.search(x, self.weights(x), self.codes.abs())  # rows × 8, dequantizer units
+        _, _, s = self.search(x, self.weights(x), self.codes.abs(), trials=REACH_TRIALS)  # rows × 8, dequantizer units
         self.top = s.argmax(1, keepdim=True)
         self.d16 = _fp16(s.gather(1, self.top) / ((0.5 + self.lmax) * 0.25))  # rows × 1
         self.held = None
@@ -369,19 +378,24 @@ class HeldGridProxy(GridProxy):
         x = blk.to(torch.float32)
         wt = self.weights(x)
         basis = self.codes.abs()
-        unit = self.d16 * 0.25  # rows × 1: the scale of l + 0.5
-        _, _, s = self.search(x[:, c0:c1], wt[:, c0:c1], basis)
-        safe = torch.where(unit > 0, unit, torch.ones_like(unit))
-        l = torch.clamp(torch.round(s / safe - 0.5), 0, self.lmax)
-        l = torch.where(self.top == j, torch.full_like(l, self.lmax), l)
-        db = self.d16 * (0.5 + l) * 0.25  # the dequantizer's product, left to right
-        code, lev, _ = self.search(x[:, c0:c1], wt[:, c0:c1], basis, at=db)
+
+        def coded(s, sl):  # s's code against the ruler (the largest sub-block's: the top code), as a scale
+            d16 = self.d16[sl]
+            unit = d16 * 0.25  # the scale of l + 0.5
+            l = torch.clamp(torch.round(s / torch.where(unit > 0, unit, torch.ones_like(unit)) - 0.5), 0, self.lmax)
+            l = torch.where(self.top[sl] == j, torch.full_like(l, self.lmax), l)
+            return d16 * (0.5 + l) * 0.25  # the dequantizer's product, left to right
+
+        code, lev, db = self.search(x[:, c0:c1], wt[:, c0:c1], basis, then=coded)
         vals = (db * code).to(torch.float32)
         held = vals
+        rest = x.square().sum(1, keepdim=True) - x[:, c0:c1].square().sum(1, keepdim=True)
         for _ in range(2):  # the fit's weights are the held values' own: settle them
-            now = x.clone()
-            now[:, c0:c1] = held
-            w = self.weights(now)[:, c0:c1]
+            if self.v is None:
+                w = held * held
+            else:
+                s2 = grid_probe.SIGMA2_SCALE[self.q.name] * (rest + held.square().sum(1, keepdim=True)) / x.shape[1]
+                w = self.v[c0:c1].unsqueeze(0) * (s2 + held * held).sqrt()
             num = (w * code.abs() * lev.abs()).sum(1, keepdim=True)
             den = (w * lev * lev).sum(1, keepdim=True)
             r = torch.where((num > 0) & (den > 0), num / torch.where(den > 0, den, torch.ones_like(den)),
