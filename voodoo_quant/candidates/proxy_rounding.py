@@ -61,6 +61,9 @@ LATER = "grid"
 GRID_MODE = "held"
 # the trials of the search that fixes a held superblock's ruler when the walk reaches it
 REACH_TRIALS = (6.6,)
+# entries per group the trials choose among: the nearest to its values at the middle trial scale
+# (0: all; measured against all in bench/compensation_objective.py)
+CANDIDATES = 0
 SEARCH_GROUPS = 2048  # groups of 8 searched at once (their distances to the 256 entries: 2 MB each for A and B)
 # the K-quants' min fitted again at the sub-block's coded scale before it is coded (measured)
 REFIT_MIN = True
@@ -263,20 +266,26 @@ class GridProxy:
         A = wg @ (lev * lev).T  # Σ w·b² per (group, entry)
         Bm = (wg * mag) @ lev.T  # Σ w·|x|·b
         per = self.g // 8  # groups per sub-block
+        unit = float(lev.amax() / self.levels.amax())  # the basis' largest over the levels' largest
+        sub = mag.reshape(-1, per * 8).amax(1)
+        cand = None
+        if CANDIDATES and CANDIDATES < A.shape[1]:  # each group's nearest entries at the middle trial
+            mid = sub / (float(np.median(trials or GRID_TRIALS)) * unit)
+            t = (2.0 / torch.where(mid > 0, mid, torch.ones_like(mid))).repeat_interleave(per).unsqueeze(1)
+            cand = torch.addcmul(A, Bm, t, value=-1.0).topk(CANDIDATES, 1, largest=False, sorted=False).indices
+            A, Bm = A.gather(1, cand), Bm.gather(1, cand)
 
         def pick(s):
             t = (2.0 / torch.where(s > 0, s, torch.ones_like(s))).repeat_interleave(per).unsqueeze(1)
             idx = torch.addcmul(A, Bm, t, value=-1.0).argmin(1)
             a = A.gather(1, idx.unsqueeze(1)).reshape(-1, per).sum(1)
             b = Bm.gather(1, idx.unsqueeze(1)).reshape(-1, per).sum(1)
-            return idx, a, b
+            return (idx if cand is None else cand.gather(1, idx.unsqueeze(1)).squeeze(1)), a, b
 
         if at is not None:
             idx, _, _ = pick(at.reshape(-1))
             s = at.reshape(-1)
         else:
-            unit = float(lev.amax() / self.levels.amax())  # the basis' largest over the levels' largest
-            sub = mag.reshape(-1, per * 8).amax(1)
             best_score = torch.full_like(sub, -1.0)
             best_s = torch.zeros_like(sub)
             for r in trials or GRID_TRIALS:
