@@ -18,16 +18,19 @@ type (:data:`TYPES`):
   superblock is rounded to the nearest code at those scales, and W' holds the rounded values:
   values the format represents, with one sub-block's scale (and min) at the top code, so that
   libggml-base's fit of them finds them again.
-- **IQ2_XXS** (:class:`GridProxy`): each step's groups of 8 take their signs from the values
-  (an odd count of minus signs: the one costing least is flipped, as the format stores an even
-  count) and the grid entry nearest to the magnitudes in the weighted norm at a few trial scales
-  (one matrix product against the grid table for all of them), the sub-block's scale being the
-  weighted least-squares fit on the chosen entries' levels; the scale is coded against the
-  ruler of the superblock as it stands (grid_probe.py: ``l = clamp(nint((31 s/max s − 1)/2),
-  0, 15)``). This is not libggml-base's search (which scans each off-grid lattice point's
-  neighbour list, docs/lab/2026-12-07-grid-search-in-torch.md), and an IQ2_XXS quantization is
-  not a fixed point of the quantizer (its fitted scale of the stored values exceeds the stored
-  one), so W' keeps the updated weights and the values are the walk's prediction of the file's.
+- **IQ2_XXS** (:class:`HeldGridProxy`, :data:`GRID_MODE` ``"held"``): each step's groups of 8
+  take their signs from the values (an odd count of minus signs: the one costing least is
+  flipped, as the format stores an even count) and the grid entry nearest to the magnitudes in
+  the quantizer's weighted norm at a few trial scales (one matrix product against the grid
+  table, then an argmin), the scale coded against a ruler fixed when the walk reaches the
+  superblock (``l = clamp(nint(s/(d/4) − 0.5), 0, 15)``, the largest sub-block at 15), the
+  entries chosen again at the coded scale. An IQ2_XXS quantization is not a fixed point of the
+  quantizer (its fit of stored values finds r/8 times their scale), so W' holds the values times
+  8/r, which libggml-base's fit maps back to them. ``"predicted"`` (:class:`GridProxy`) instead
+  predicts libggml-base's rounding of W' with its scale coded against the ruler of the
+  superblock as it stands, W' keeping the updated weights (measured worse: its search is not
+  libggml-base's neighbour-list search, docs/lab/2026-12-07-grid-search-in-torch.md, so the
+  error passed on is not the file's; docs/lab/2026-12-07-proxy-sweep.md).
 
 The module is torch only and follows its inputs' device.
 """
