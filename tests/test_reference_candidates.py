@@ -132,3 +132,39 @@ def test_a_winning_reference_is_exported_with_the_bytes_it_was_measured_with(tra
     for n, c in res.assignment.tensors.items():
         assert c.compensated is (c.qtype in c.menu) and c.sha256 == run.candidate_sha256[(n, c.qtype)]
 
+
+def test_the_dry_run_counts_the_references_off_menu_candidates_as_plain(gate_model_dir, tmp_path):
+    from voodoo_quant.cli.tp import parse_train_flags
+    from voodoo_quant.memory import timing as tm
+    from voodoo_quant.memory.dry_run import dry_run
+    from voodoo_quant.memory.rates import Rates
+    from voodoo_quant.memory.time_plan import plan_time, references
+    from voodoo_quant.model.lazyload import text_skeleton
+    from voodoo_quant.core import qtypes as qt
+
+    cfg = parse_train_flags(["--model", str(gate_model_dir / "model"), "--data_dir", str(gate_model_dir / "data"),
+                             "--output_dir", str(tmp_path / "out"), "--candidate_types", *MENU,
+                             "--compression_ratio", "0.55", "--seq_len", "32"])
+    assert cfg.method == "gates" and cfg.compensation == "gptq" and cfg.measures
+    run = dry_run(cfg)
+    model = text_skeleton(cfg.model)
+    refs = references(cfg, model, run.plans, run.budget, ())
+    n_extra = sum(len(set(ts) - set(next(p for p in run.plans if p.name == n).menu.types))
+                  for n, ts in refs.extra.items())
+    assert n_extra > 0  # the references use off-menu types, or this test checks nothing
+    modules = dict(model.named_modules())
+    jobs = tm.candidate_jobs(run.plans, modules, compensated=True, extra=refs.extra)
+    menu_jobs = [j for j in jobs if j.qtype in next(p for p in run.plans if p.name == j.name).menu.types]
+    assert len(jobs) == len(menu_jobs) + n_extra
+    assert all(j.compensated for j in menu_jobs)  # every tensor here has a Hessian (the tied head too)
+    assert not any(j.compensated for j in jobs if j not in menu_jobs)
+    every = [t for t in qt.QTYPES if t != "F32"]
+    rates = Rates(quant={t: 3e6 for t in every}, dequant={t: 5e8 for t in every}, bare={t: 3e6 for t in every},
+                  comp_weight={t: 1e-6 for t in every}, comp_step={t: 1e-3 for t in every}, gemm=2e10, gemm1=2e10,
+                  chol=5e9, parallel=1.0, sha256=1e9, copy=4e9, curvature=1e-9, threads=2, workers=1)
+    plan = plan_time(cfg, model, run.plans, run.budget, rates, n_file=12)
+    stage = next(s for s in plan.stages if s.name == "candidates")
+    assert f"{len(jobs)} candidates ({len(menu_jobs)} compensated)" in stage.note
+    # priced as plain: the same jobs with the off-menu ones compensated would cost their walks more
+    walked = [j if j in menu_jobs else tm.Job(j.name, j.qtype, j.rows, j.n, True, j.imatrix) for j in jobs]
+    assert sum(map(lambda j: tm.job_seconds(j, rates), walked)) > sum(map(lambda j: tm.job_seconds(j, rates), jobs))
