@@ -23,6 +23,7 @@ SEQ_LEN = 512
 DTYPES = ("float32", "bfloat16", "float16")
 METHODS = ("gates", "sensitivity")
 SENSITIVITY_KINDS = ("fisher", "output", "measured")
+MEMORY_CHECKS = ("auto", "warn", "off")  # --memory_check (tools/memory_check.py)
 COMPENSATIONS = ("auto", "gptq", "none")  # --error_compensation (compensate.py); auto: see TrainConfig.compensation
 # The llama-quantize recipes the guarantee compares with (those that fit the budget; recipes.py).
 STOCK_REFERENCES = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "Q2_K_S", "Q2_K", "IQ3_XXS", "IQ3_XS",
@@ -98,6 +99,8 @@ class TrainConfig:
     no_compile: bool = setting(False, help="Accepted for old command lines; does nothing.", hidden=True, changes=NOTHING)
     tensor_parallel: int = setting(1, help="Tensor-parallel degree (run through `voodoo tp`).", panel=HARDWARE)
     device_map: str | None = setting(None, help="Layer-wise placement, e.g. cuda:0,cuda:1.", panel=ADVANCED, changes=OUTPUT)
+    # before anything loads: the memory plan of --dry_run (memory/), acted on by tools/memory_check.py
+    memory_check: str = setting("auto", help="Before loading anything, plan the run's memory as --dry_run does. auto: when the plan does not fit the device (VOODOO_DEVICE_MEMORY_GB sets its size), turn on the settings that keep the result (--lazy; --gradient_checkpointing in one CPU process without a tied gated weight) if they make it fit, and stop with the plan's advice if they do not; warn: only say that it does not fit; off: no plan.", panel=ADVANCED, changes=NOTHING, metavar="auto|warn|off")
     # journal
     partial_save_interval: int = setting(10, help="Write the journal every N steps.", panel=ADVANCED, changes=NOTHING)
     resume: bool = setting(True, help="Resume from the journal in --output_dir if present.", panel=ADVANCED, changes=NOTHING)
@@ -207,6 +210,8 @@ class TrainConfig:
                 raise ConfigError(f"{flag} must be an integer >= {lo}, got {v!r}")
         if not (isinstance(self.search_margin, (int, float)) and self.search_margin >= 0):
             raise ConfigError(f"--search_margin must be a number >= 0, got {self.search_margin!r}")
+        if self.memory_check not in MEMORY_CHECKS:
+            raise ConfigError(f"--memory_check must be one of {', '.join(MEMORY_CHECKS)}, got {self.memory_check!r}")
         if self.error_compensation not in COMPENSATIONS:
             raise ConfigError(f"--error_compensation must be one of {', '.join(COMPENSATIONS)}, got {self.error_compensation!r}")
         if not isinstance(self.compensation_sequences, int) or isinstance(self.compensation_sequences, bool) \
