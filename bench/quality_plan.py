@@ -18,9 +18,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 BENCH_NAME = "qwen2.5-coder-1.5b"  # the name of the benchmark model's results
 FLOOR = "Q8_0"
-# the written file; --method sensitivity, gptq / none; and gptq with --compensation_sweep packed
-METHODS = ("voodoo", "knapsack-gptq", "knapsack", "knapsack-gptq-packed")
-DEFAULT_METHODS = METHODS[:3]  # the packed walk is measured when asked for
+# the written file; --method sensitivity, gptq / none; gptq with a named --compensation_sweep.
+# "knapsack-gptq" is the product's default walk, made as the method that names it
+# (knapsack-gptq-packed): rows keyed "knapsack-gptq" were made while "ruled" was the default, and
+# carry their walk in their config (the report names them by it)
+WALKS = ("packed", "ruled")
+METHODS = ("voodoo", "knapsack-gptq", "knapsack", *(f"knapsack-gptq-{w}" for w in WALKS))
+DEFAULT_METHODS = METHODS[:3]
 UNIFORM = ("IQ2_S", "IQ3_S", "Q3_K_S", "IQ4_XS", "Q4_K_S", "Q5_K_S", "Q6_K")
 SIZES = ("min", 25, 30, 35, 40, 45, 55, 65, 75, 85, 95)
 SHARED_STEPS = ("data", "make-teacher", "reference", "imatrix", "candidate-cache")
@@ -92,7 +96,7 @@ class BenchConfig:
 class Item:
     """One file to make: a stock or uniform recipe, or a method at a size."""
 
-    method: str  # stock | uniform | voodoo | knapsack-gptq | knapsack | knapsack-gptq-packed
+    method: str  # stock | uniform | voodoo | knapsack | knapsack-gptq-<walk> (METHODS)
     recipe: str | None = None
     size: int | None = None
     steps: int | None = None
@@ -112,14 +116,20 @@ class Item:
 
     def variant(self, extra: dict[str, Any]) -> Variant:
         own = {"voodoo": {"max_steps": self.steps, "seed": self.seed},
-               "knapsack-gptq": {"method": "sensitivity", "error_compensation": "gptq"},
                "knapsack": {"method": "sensitivity", "error_compensation": "none"},
-               "knapsack-gptq-packed": {"method": "sensitivity", "error_compensation": "gptq",
-                                        "compensation_sweep": "packed"}}[self.method]
+               **{f"knapsack-gptq-{w}": {"method": "sensitivity", "error_compensation": "gptq", "compensation_sweep": w}
+                  for w in WALKS}}[self.method]
         return Variant(self.variant_name, {**extra, **own})
 
     def key(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+def resolve(method: str) -> str:
+    """A method as it is made: "knapsack-gptq" (the product's default walk) as the method naming that walk."""
+    from voodoo_quant.candidates.compensate import DEFAULT_SWEEP
+
+    return f"knapsack-gptq-{DEFAULT_SWEEP}" if method == "knapsack-gptq" else method
 
 
 def plan(cfg: BenchConfig, sizes: tuple[int, ...]) -> list[Item]:
@@ -134,7 +144,7 @@ def plan(cfg: BenchConfig, sizes: tuple[int, ...]) -> list[Item]:
         if qt.BADGES.get(s) in cfg.stock:
             items.append(Item("stock", qt.BADGES[s]))
     items += [Item("stock", r) for r in cfg.stock]
-    items += [Item(m, size=s) for m in cfg.methods if m != "voodoo" for s in sizes]  # in the order asked
+    items += [Item(resolve(m), size=s) for m in cfg.methods if m != "voodoo" for s in sizes]  # in the order asked
     items += [Item("uniform", r) for r in cfg.uniform]
     if "voodoo" in cfg.methods:
         items += [Item("voodoo", size=s, steps=s0, seed=x) for s in cfg.fair_sizes for x in cfg.seeds[1:]]

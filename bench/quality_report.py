@@ -3,7 +3,8 @@ ratios with their noise, the Markdown tables and the PNG plot. Pure functions of
 tool runs here), unit-tested on made-up rows (tests/test_bench_quality.py).
 
 A row (``quality.py``: one file on one eval text) has ``name``, ``method`` ("stock", "uniform",
-"voodoo", "knapsack-gptq", "knapsack", "knapsack-gptq-packed"), ``calib`` and ``text`` (the calibration domains and the
+"voodoo", "knapsack", "knapsack-gptq-<walk>"; rows named "knapsack-gptq" are read as
+"knapsack-gptq-<walk>" from the walk their config records: :func:`by_walk`), ``calib`` and ``text`` (the calibration domains and the
 eval text), ``size_bytes``, ``kld_mean``, ``kld_stderr`` (standard error over chunks),
 ``kld_chunks`` (each chunk's mean KLD, for paired differences); stock and uniform rows have
 ``recipe``, the others ``size`` (percent of uniform Q8_0), the written file (voodoo) also
@@ -15,7 +16,7 @@ Per (calibration, eval text): each size of the written file is the mean over its
 shown) at the step count measured at the most sizes; its excess KLD over the Q8_0 floor is divided
 by the excess of a reference curve at the same file size, linear in log KLD between the curve's
 two nearest points (no extrapolation): the stock Pareto frontier (target ≤ 0.5), the compensated
-knapsack (the learned stage's target: ≤ 0.85 at 25–45), the plain Fisher knapsack and the uniform
+knapsack of the written file's walk (the learned stage's target: ≤ 0.85 at 25–45), the plain Fisher knapsack and the uniform
 files' frontier. A point above the stock frontier is flagged, and so is a size whose mean KLD does
 not fall below the next smaller size's.
 """
@@ -31,17 +32,43 @@ FLOOR = "Q8_0"
 TARGET_VS_STOCK = 0.5
 TARGET_VS_KNAPSACK = 0.85
 LEARNED_SIZES = (25, 30, 35, 40, 45)  # where the learned stage's target applies
-# the knapsacks: compensated (the "fixed" walk), plain, compensated with the "packed" walk
-KNAPSACKS = ("knapsack-gptq", "knapsack", "knapsack-gptq-packed")
+# the compensation walks a row may name (quality_plan.WALKS, and the older "fixed"), the product's default first
+WALKS = ("packed", "ruled", "fixed")
+# the knapsacks: plain, then compensated by each walk (and "knapsack-gptq": a row that records no walk)
+KNAPSACKS = ("knapsack", *(f"knapsack-gptq-{w}" for w in WALKS), "knapsack-gptq")
 PEERS = {"autoround": "tab:purple"}  # other quantizers' files (autoround.py): method → plot colour
 
 
 def latest(rows: Sequence[dict]) -> list[dict]:
-    """One row per digest, the last written (a row measured again replaces the earlier one)."""
+    """One row per digest, the last written (a row measured again replaces the earlier one), each
+    compensated knapsack named by its walk (:func:`by_walk`)."""
     by: dict[Any, dict] = {}
     for i, r in enumerate(rows):
         by[r.get("digest", i)] = r
-    return list(by.values())
+    return [by_walk(r) for r in by.values()]
+
+
+def walk(r: dict) -> str | None:
+    """The compensation walk a trained row's file was made with (its config), None for none."""
+    train = (r.get("config") or {}).get("train") or {}
+    return None if train.get("error_compensation") == "none" else train.get("compensation_sweep")
+
+
+def by_walk(r: dict) -> dict:
+    """A row of the method "knapsack-gptq" (made as the product's default walk of its day) named
+    "knapsack-gptq-<walk>" by the walk its config records."""
+    w = walk(r) if r.get("method") == "knapsack-gptq" else None
+    return {**r, "method": f"knapsack-gptq-{w}"} if w else r
+
+
+def compensated(rows: Sequence[dict]) -> str:
+    """The compensated knapsack the written file is measured against: the one of its own walk (the
+    walk most of its rows record), else the product's default walk's, else a compensated knapsack
+    whose walk is not recorded."""
+    ws = [walk(r) for r in rows if r["method"] == "voodoo" and walk(r)]
+    own = [f"knapsack-gptq-{max(sorted(set(ws)), key=ws.count)}"] if ws else []
+    have = {r["method"] for r in rows}
+    return next((m for m in (*own, f"knapsack-gptq-{WALKS[0]}", "knapsack-gptq") if m in have), (own or ["knapsack-gptq"])[0])
 
 
 def groups(rows: Sequence[dict]) -> dict[tuple[str, str], list[dict]]:
@@ -136,7 +163,7 @@ def targets(rows: Sequence[dict]) -> dict[str, Any]:
     floor = float(floor_row(rows)["kld_mean"])
     ref = {"stock": pareto([r for r in rows if r["method"] == "stock"]),
            "uniform": pareto([r for r in rows if r["method"] == "uniform" or r.get("recipe") == FLOOR]),
-           "knapsack-gptq": curve(rows, "knapsack-gptq"), "knapsack": curve(rows, "knapsack")}
+           "compensated": curve(rows, compensated(rows)), "knapsack": curve(rows, "knapsack")}
     steps = main_steps(rows)
     out, prev = [], None
     for v in curve(rows, "voodoo", steps):
@@ -145,11 +172,11 @@ def targets(rows: Sequence[dict]) -> dict[str, Any]:
             k = frontier_kld(c, v["size_bytes"])
             x[f"{tag}_kld"] = k
             x[f"ratio_vs_{tag}"] = None if k is None or k - floor <= 0 else x["excess"] / (k - floor)
-        same = [p for p in ref["knapsack-gptq"] if p["size"] == v["size"]]
+        same = [p for p in ref["compensated"] if p["size"] == v["size"]]
         x["paired_vs_knapsack"] = paired(v["chunks"], same[0]["chunks"]) if same else None
         x["meets_stock"] = None if x["ratio_vs_stock"] is None else x["ratio_vs_stock"] <= TARGET_VS_STOCK
-        x["meets_knapsack"] = (None if x["ratio_vs_knapsack-gptq"] is None or v["size"] not in LEARNED_SIZES
-                               else x["ratio_vs_knapsack-gptq"] <= TARGET_VS_KNAPSACK)
+        x["meets_knapsack"] = (None if x["ratio_vs_compensated"] is None or v["size"] not in LEARNED_SIZES
+                               else x["ratio_vs_compensated"] <= TARGET_VS_KNAPSACK)
         x["above_stock"] = x["stock_kld"] is not None and v["kld_mean"] > x["stock_kld"]
         x["falls"] = None if prev is None else v["kld_mean"] < prev["kld_mean"]
         notes = []
@@ -168,6 +195,7 @@ def targets(rows: Sequence[dict]) -> dict[str, Any]:
         out.append(x)
         prev = v
     return {"floor": floor, "steps": steps, "frontier": [r["name"] for r in ref["stock"]], "sizes": out,
+            "compensated": compensated(rows),
             "monotone": all(x["falls"] is not False for x in out)}
 
 
@@ -195,18 +223,19 @@ def knapsacks(rows: Sequence[dict]) -> list[dict]:
 
 
 def walks(rows: Sequence[dict]) -> list[dict]:
-    """Per size where both were measured: the compensated knapsack with the "packed" walk against
-    the "fixed" one (the same selection method; only the grid IQ candidates' walk differs)."""
+    """Per size where both were measured: the compensated knapsack of each other walk against the
+    default walk's (WALKS[0]; the same selection method, only the candidates' walk differs)."""
     floor = float(floor_row(rows)["kld_mean"])
-    fixed = {p["size"]: p for p in curve(rows, "knapsack-gptq")}
+    base = {p["size"]: p for p in curve(rows, f"knapsack-gptq-{WALKS[0]}")}
     out = []
-    for p in curve(rows, "knapsack-gptq-packed"):
-        f = fixed.get(p["size"])
-        if f is None:
-            continue
-        out.append({"size": p["size"], "mb": (f["size_bytes"] / 1e6, p["size_bytes"] / 1e6),
-                    "kld": (f["kld_mean"], p["kld_mean"]), "paired": paired(p["chunks"], f["chunks"]),
-                    "excess_ratio": None if f["kld_mean"] <= floor else (p["kld_mean"] - floor) / (f["kld_mean"] - floor)})
+    for w in WALKS[1:]:
+        for p in curve(rows, f"knapsack-gptq-{w}"):
+            b = base.get(p["size"])
+            if b is None:
+                continue
+            out.append({"size": p["size"], "walk": w, "mb": (b["size_bytes"] / 1e6, p["size_bytes"] / 1e6),
+                        "kld": (b["kld_mean"], p["kld_mean"]), "paired": paired(p["chunks"], b["chunks"]),
+                        "excess_ratio": None if b["kld_mean"] <= floor else (p["kld_mean"] - floor) / (b["kld_mean"] - floor)})
     return out
 
 
@@ -214,7 +243,7 @@ def fair(rows: Sequence[dict]) -> list[dict]:
     """The written file at the sizes measured with more than one step count or seed: per step
     count the seed mean, its excess against the compensated knapsack's and the paired difference."""
     floor = float(floor_row(rows)["kld_mean"])
-    knap = {p["size"]: p for p in curve(rows, "knapsack-gptq")}
+    knap = {p["size"]: p for p in curve(rows, compensated(rows))}
     combos: dict[int, set] = {}
     for r in rows:
         if r["method"] == "voodoo":
@@ -292,7 +321,8 @@ def _group(calib: str, text: str, rs: list[dict]) -> list[str]:
                    f"{_f(r.get('kld_p99'), '.5f')} | {_f(r.get('same_top_p'), '.2f')} | {'✓' if r['name'] in front else ''} |")
     out += ["", f"Floor {t['floor']:.6f}; " + (f"the written file at {t['steps']} steps (seed mean). " if t["sizes"] else "no written file yet. ") + f"Mean KLD falls with "
             f"every size: {'yes' if t['monotone'] else 'NO'}. Targets: ≤ {TARGET_VS_STOCK} of the stock frontier's "
-            f"excess; ≤ {TARGET_VS_KNAPSACK} of the compensated knapsack's at {LEARNED_SIZES[0]}–{LEARNED_SIZES[-1]}.", "",
+            f"excess; ≤ {TARGET_VS_KNAPSACK} of the compensated knapsack's ({t['compensated']}) at "
+            f"{LEARNED_SIZES[0]}–{LEARNED_SIZES[-1]}.", "",
             "| size | MB | KLD (seeds) | ± | excess | vs stock | ≤ 0.5 | vs compensated knapsack | ≤ 0.85 | "
             "− compensated knapsack, paired | vs Fisher knapsack | vs uniform | note |",
             "|---|---:|---:|---:|---:|---:|:---:|---:|:---:|---:|---:|---:|---|"]
@@ -300,7 +330,7 @@ def _group(calib: str, text: str, rs: list[dict]) -> list[str]:
         spread = f" ({x['kld_min']:.5f}–{x['kld_max']:.5f}, n={x['n_seeds']})" if x["n_seeds"] > 1 else ""
         out.append(f"| Voodoo{x['size']} | {x['size_bytes'] / 1e6:.2f} | {x['kld_mean']:.6f}{spread} | "
                    f"{_f(x['kld_stderr'], '.6f')} | {x['excess']:.6f} | {_f(x['ratio_vs_stock'], '.3f')} | "
-                   f"{_yes(x['meets_stock'])} | {_f(x['ratio_vs_knapsack-gptq'], '.3f')} | {_yes(x['meets_knapsack'])} | "
+                   f"{_yes(x['meets_stock'])} | {_f(x['ratio_vs_compensated'], '.3f')} | {_yes(x['meets_knapsack'])} | "
                    f"{_pm(x['paired_vs_knapsack'])} | {_f(x['ratio_vs_knapsack'], '.3f')} | {_f(x['ratio_vs_uniform'], '.3f')} | "
                    f"{x['note']} |")
     ks = knapsacks(rs)
@@ -313,13 +343,14 @@ def _group(calib: str, text: str, rs: list[dict]) -> list[str]:
                        f"{_f(x['ratio_vs_stock'], '.3f')} | {x['note']} |")
     w = walks(rs)
     if w:
-        out += ["", "The compensation walks: the compensated knapsack with the grid IQ steps rounded from a probe "
-                "(packed) against the same knapsack with them quantized at every step (fixed), paired chunk by chunk:", "",
-                "| size | MB fixed / packed | KLD fixed | KLD packed | packed − fixed, paired | excess packed ÷ fixed |",
-                "|---|---:|---:|---:|---:|---:|"]
+        d = WALKS[0]
+        out += ["", f"The compensation walks: the compensated knapsack of each other walk against the default "
+                f"walk's ({d}), paired chunk by chunk:", "",
+                f"| size | walk | MB {d} / walk | KLD {d} | KLD walk | walk − {d}, paired | excess walk ÷ {d} |",
+                "|---|---|---:|---:|---:|---:|---:|"]
         for x in w:
-            out.append(f"| Voodoo{x['size']} | {x['mb'][0]:.2f} / {x['mb'][1]:.2f} | {x['kld'][0]:.6f} | {x['kld'][1]:.6f} | "
-                       f"{_pm(x['paired'])} | {_f(x['excess_ratio'], '.3f')} |")
+            out.append(f"| Voodoo{x['size']} | {x['walk']} | {x['mb'][0]:.2f} / {x['mb'][1]:.2f} | {x['kld'][0]:.6f} | "
+                       f"{x['kld'][1]:.6f} | {_pm(x['paired'])} | {_f(x['excess_ratio'], '.3f')} |")
     f = fair(rs)
     if f:
         out += ["", "The learned stage at more step counts and seeds (excess as a multiple of the compensated "
@@ -411,8 +442,10 @@ def plot(rows: Sequence[dict], out: Path) -> Path:
                 label="stock Pareto frontier")
         for method, color, label, steps in (
                 ("voodoo", "tab:red", "Voodoo: the written file (seed mean)", main_steps(rs)),
-                ("knapsack-gptq", "tab:cyan", "compensated knapsack", None), ("knapsack", "tab:blue", "Fisher knapsack", None),
-                ("knapsack-gptq-packed", "tab:olive", "compensated knapsack, packed walk", None)):
+                ("knapsack", "tab:blue", "Fisher knapsack", None),
+                *((f"knapsack-gptq-{w}", c, f"compensated knapsack, {w} walk", None)
+                  for w, c in zip(WALKS, ("tab:cyan", "tab:olive", "tab:brown"))),
+                ("knapsack-gptq", "tab:gray", "compensated knapsack (walk not recorded)", None)):
             pts = curve(rs, method, steps)
             if pts:
                 xs = [p["size_bytes"] / 1e6 for p in pts]

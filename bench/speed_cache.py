@@ -33,7 +33,7 @@ from voodoo_quant.candidates.cache import CandidateCache  # noqa: E402
 from voodoo_quant.candidates.precache import CandidateJob, build_all  # noqa: E402
 from voodoo_quant.core import paths  # noqa: E402
 from voodoo_quant.core import qtypes as qt  # noqa: E402
-from voodoo_quant.gguf import imatrix
+from voodoo_quant.gguf import header  # noqa: E402
 from voodoo_quant.gguf.imatrix import Entry, Imatrix  # noqa: E402
 
 
@@ -59,7 +59,7 @@ def block_tensors(gguf_path: Path) -> dict[str, np.ndarray]:
     """The 2-D F32 blk.* tensors of an F32 GGUF, as (rows, n_per_row) arrays."""
     return {
         name: np.frombuffer(data, np.float32).reshape(shape).copy()
-        for name, (t, shape, data) in imatrix.gguf_tensor_table(gguf_path).items()
+        for name, (t, shape, data) in header.tensor_table(gguf_path).items()
         if name.startswith("blk.") and len(shape) == 2 and t == "F32"
     }
 

@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from voodoo_quant.core import ggml  # noqa: E402
 from voodoo_quant.candidates.compensate import Compensation, quantize_compensated  # noqa: E402
+from voodoo_quant.training.hessians import accumulating_hook, finished  # noqa: E402
 
 
 def tokens(tok, n: int, T: int) -> torch.Tensor:
@@ -51,21 +52,16 @@ def tokens(tok, n: int, T: int) -> torch.Tensor:
 
 
 def hessians(model, linears: dict[str, torch.nn.Linear], calib: torch.Tensor) -> dict[str, np.ndarray]:
+    """H = Σ xᵀx of each Linear's input, accumulated as the product accumulates it (the upper block
+    triangle, mirrored once finished: training/hessians.py)."""
     acc: dict[str, torch.Tensor] = {}
-
-    def hook(name):
-        def f(mod, inp, out):
-            x = inp[0].detach().reshape(-1, inp[0].shape[-1]).to(torch.float32)
-            acc[name] = x.T @ x if name not in acc else acc[name].add_(x.T @ x)
-        return f
-
-    hs = [m.register_forward_hook(hook(n)) for n, m in linears.items()]
+    hs = [m.register_forward_hook(accumulating_hook(acc, n)) for n, m in linears.items()]
     with torch.no_grad():
         for i in range(0, calib.shape[0], 4):
             model(calib[i:i + 4])
     for h in hs:
         h.remove()
-    return {n: a.numpy() for n, a in acc.items()}
+    return {n: finished(a) for n, a in acc.items()}
 
 
 def block_diagonal(H: np.ndarray, bounds: list[list[tuple[int, int]]]) -> np.ndarray:

@@ -78,7 +78,7 @@ def test_targets_ratios_use_seed_means_and_curves(rep):
     assert x["kld_stderr"] == pytest.approx(math.sqrt(2) * 0.001 / 2)
     assert x["ratio_vs_stock"] == pytest.approx(0.03 / (math.sqrt(0.20 * 0.05) - 0.01))
     assert x["meets_stock"] is True  # 0.03 / 0.09 ≈ 0.33
-    assert x["ratio_vs_knapsack-gptq"] == pytest.approx(0.03 / (math.sqrt(0.10 * 0.04) - 0.01))
+    assert x["ratio_vs_compensated"] == pytest.approx(0.03 / (math.sqrt(0.10 * 0.04) - 0.01))
     assert x["meets_knapsack"] is True  # 0.03 / 0.053 ≈ 0.57 at Voodoo35, where the learned stage's target holds
     assert x["ratio_vs_knapsack"] is None  # no plain knapsack measured
     # the uniform frontier holds the floor (Q8_0 is uniform) beside the --pure files
@@ -102,17 +102,34 @@ def test_the_knapsacks_alone_are_set_against_the_stock_frontier(rep):
 
 def test_the_two_compensation_walks_are_set_side_by_side_paired(rep):
     base = [0.05, 0.20, 0.08, 0.30]
-    rows = STOCK + [_row("k30", "knapsack-gptq", 89e6, sum(base) / 4, size=30, chunks=base),
+    rows = STOCK + [_row("k30", "knapsack-gptq-ruled", 89e6, sum(base) / 4, size=30, chunks=base),
                     _row("w30", "knapsack-gptq-packed", 88e6, sum(base) / 4 + 0.002, size=30,
                          chunks=[x + 0.002 + 0.0005 * (i % 2) for i, x in enumerate(base)]),
                     _row("w40", "knapsack-gptq-packed", 99e6, 0.05, size=40)]
-    (x,) = rep.walks(rows)  # 40 has no fixed-walk file to pair with
-    assert x["size"] == 30 and x["mb"] == (89.0, 88.0)
-    d, se = x["paired"]
-    assert d == pytest.approx(0.00225) and 0 < se < 0.001
-    assert x["excess_ratio"] == pytest.approx((sum(base) / 4 + 0.002 - 0.01) / (sum(base) / 4 - 0.01))
-    assert "| Voodoo30 | 89.00 / 88.00 |" in rep.markdown(rows)
-    assert {k["method"] for k in rep.knapsacks(rows)} == {"knapsack-gptq", "knapsack-gptq-packed"}
+    (x,) = rep.walks(rows)  # 40 has no ruled-walk file to pair with
+    assert x["size"] == 30 and x["walk"] == "ruled" and x["mb"] == (88.0, 89.0)
+    d, se = x["paired"]  # ruled − packed (the default walk)
+    assert d == pytest.approx(-0.00225) and 0 < se < 0.001
+    assert x["excess_ratio"] == pytest.approx((sum(base) / 4 - 0.01) / (sum(base) / 4 + 0.002 - 0.01))
+    assert "| Voodoo30 | ruled | 88.00 / 89.00 |" in rep.markdown(rows)
+    assert {k["method"] for k in rep.knapsacks(rows)} == {"knapsack-gptq-ruled", "knapsack-gptq-packed"}
+
+
+def test_rows_are_named_by_the_walk_their_config_records(rep):
+    """A "knapsack-gptq" row (the default walk of its day) is read as the walk its config records,
+    and the written file is measured against the compensated knapsack of its own walk."""
+    def cfg(r, walk):
+        return {**r, "config": {"train": {"compensation_sweep": walk}}}
+    rows = STOCK + [cfg(_row("r30", "knapsack-gptq", 89e6, 0.10, size=30), "ruled"),
+                    cfg(_row("p30", "knapsack-gptq-packed", 89e6, 0.12, size=30), "packed"),
+                    cfg(_row("v30", "voodoo", 89e6, 0.09, size=30, seed=0, steps=50), "ruled"),
+                    {**_row("n30", "knapsack", 89e6, 0.2, size=30), "config": {"train": {"error_compensation": "none"}}}]
+    named = rep.latest(rows)
+    assert [r["method"] for r in named[-4:]] == ["knapsack-gptq-ruled", "knapsack-gptq-packed", "voodoo", "knapsack"]
+    assert rep.compensated(named) == "knapsack-gptq-ruled"
+    assert rep.compensated([r for r in named if r["method"] != "voodoo"]) == "knapsack-gptq-packed"
+    (x,) = rep.targets(named)["sizes"]
+    assert x["ratio_vs_compensated"] == pytest.approx(0.08 / 0.09)
 
 
 def test_learned_stage_target_and_flags(rep):
@@ -122,7 +139,7 @@ def test_learned_stage_target_and_flags(rep):
     t = rep.targets(rows)
     a, b = t["sizes"]
     assert a["above_stock"] and "ABOVE" in a["note"]
-    assert a["ratio_vs_knapsack-gptq"] == pytest.approx(0.14 / 0.15) and a["meets_knapsack"] is False
+    assert a["ratio_vs_compensated"] == pytest.approx(0.14 / 0.15) and a["meets_knapsack"] is False
     assert b["falls"] is False and "NOT below Voodoo35" in b["note"] and not t["monotone"]
     with pytest.raises(ValueError, match="floor"):
         rep.targets(STOCK[:2])
@@ -230,7 +247,7 @@ def test_plan_order_and_command_line(tmp_path):
     assert cfg.name == tiny_llama_hf_dir.name and cfg.train_extra == {"lr": 0.3}
     labels = [i.label for i in q.plan(cfg, (30, 35, 45))]
     assert labels == ["stock-Q8_0", "Voodoo30-s50-seed0", "Voodoo35-s50-seed0", "Voodoo45-s50-seed0", "stock-Q4_K_M",
-                      "Voodoo30-knapsack-gptq", "Voodoo35-knapsack-gptq", "Voodoo45-knapsack-gptq",
+                      "Voodoo30-knapsack-gptq-packed", "Voodoo35-knapsack-gptq-packed", "Voodoo45-knapsack-gptq-packed",
                       "Voodoo30-knapsack", "Voodoo35-knapsack", "Voodoo45-knapsack", "uniform-Q4_K_S",
                       "Voodoo30-s50-seed1", "Voodoo30-s10-seed0"]
     _, (only, _) = q.parse(["run", "--model", str(tiny_llama_hf_dir), "--sizes", "30", "--fair_sizes", "30",

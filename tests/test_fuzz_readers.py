@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from voodoo_quant.candidates.cache import CandidateCache
 from voodoo_quant.core import fileio
 from voodoo_quant.core.errors import ConfigError, CorruptFileError, VoodooError
-from voodoo_quant.gguf import imatrix
+from voodoo_quant.gguf import header, imatrix
 from voodoo_quant.selection.assignment import Assignment, TensorChoice
 from voodoo_quant.training import journal
 
@@ -171,7 +171,7 @@ def test_fuzz_assignment_json(tmp_path, data):
     _expect_clean("assignment.json", p, lambda: Assignment.load(p), allowed=(CorruptFileError, ConfigError))
 
 
-# -- GGUF model files (the header reader used before handing a GGUF to llama.cpp) -----------------
+# -- GGUF model files (gguf/header.py, the reader used before handing a GGUF to llama.cpp) --------
 @pytest.fixture(scope="module")
 def small_gguf(tmp_path_factory):
     from voodoo_quant.gguf import converter
@@ -198,6 +198,21 @@ def test_fuzz_gguf_header_reader(tmp_path_factory, small_gguf, data):
     p = tmp_path_factory.mktemp("gg") / "model.gguf"
     p.write_bytes(data.draw(mutation(small_gguf)))
     _expect_clean("GGUF model", p, lambda: gguf_tensor_stats(p))
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzz_read_header_raises_only_what_it_documents(small_gguf, data):
+    """The reader itself, on a mutated model file: a header, or one of ``header.MALFORMED`` or a
+    CorruptFileError (what every caller catches), never another exception."""
+    raw = data.draw(mutation(small_gguf))
+    try:
+        kv, infos, data0 = header.read_header(raw)
+    except (*header.MALFORMED, CorruptFileError):
+        _record("GGUF header (read_header)", "rejected")
+        return
+    _record("GGUF header (read_header)", "accepted")
+    assert isinstance(kv, dict) and isinstance(data0, int) and all(len(i) == 4 for i in infos)
 
 
 def _gguf_imatrix_with(kv_bytes: bytes, n_kv: int) -> bytes:

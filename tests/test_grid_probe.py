@@ -126,9 +126,26 @@ def test_the_ruled_walk_keeps_the_contract_and_the_per_step_walks_error(ggml_lib
     W, X, H, imx = _problem(rows=32, n=512, tokens=2048, seed=21)
     per_step = quantize_compensated(W, q, imx, Compensation(H, 0.05, "fixed"))
     c = Compensation(H, 0.05, "ruled")
-    assert compensate.DEFAULT_SWEEP == "ruled" and c.digest not in {Compensation(H, 0.05, s).digest
-                                                                    for s in ("fixed", "packed")}
+    assert c.digest not in {Compensation(H, 0.05, s).digest for s in ("fixed", "packed")}
     m = compensated_matrix(W, q, imx, c)
     ruled = quantize_compensated(W, q, imx, c)
     assert ruled == ggml_lib.quantize(m, q, imx) == quantize_compensated(W, q, imx, Compensation(H, 0.05, "ruled"))
     assert _out_err(W, ruled, q, X) <= 1.03 * _out_err(W, per_step, q, X)
+
+
+def test_the_default_packed_walk_takes_the_ruled_walk_where_the_probe_is_unmeasured(ggml_lib):
+    """Under "packed" (the default: TrainConfig's and compensate's agree), a ruled grid type outside
+    PACKED_SWEEP is walked as under "ruled" (the same W', so the same bytes), not quantized again
+    at every step; a type of PACKED_SWEEP takes the probe's own ruler (another W')."""
+    from voodoo_quant.training.config import TrainConfig
+
+    assert TrainConfig.__dataclass_fields__["compensation_sweep"].default == compensate.DEFAULT_SWEEP == "packed"
+    assert compensate.PACKED_RULED and not compensate.PACKED_RULED & compensate.PACKED_SWEEP
+    W, X, H, imx = _problem(rows=16, n=512, tokens=2048, seed=5)
+    for name in sorted(compensate.PACKED_RULED):
+        m_packed = compensated_matrix(W, name, imx, Compensation(H, 0.05, "packed"))
+        assert np.array_equal(m_packed, compensated_matrix(W, name, imx, Compensation(H, 0.05, "ruled"))), name
+        assert not np.array_equal(m_packed, compensated_matrix(W, name, imx, Compensation(H, 0.05, "fixed"))), name
+    q = sorted(compensate.PACKED_SWEEP)[0]
+    assert not np.array_equal(compensated_matrix(W, q, imx, Compensation(H, 0.05, "packed")),
+                              compensated_matrix(W, q, imx, Compensation(H, 0.05, "ruled")))

@@ -12,7 +12,7 @@ import pytest
 
 from voodoo_quant.core import paths
 from voodoo_quant.core.errors import CorruptFileError
-from voodoo_quant.gguf import imatrix
+from voodoo_quant.gguf import header, imatrix
 from voodoo_quant.gguf.imatrix import Entry, Imatrix, ImatrixMismatchError
 from voodoo_quant.gguf.imatrix_compute import compute_imatrix
 
@@ -262,10 +262,6 @@ def test_load_stock_llama_imatrix_and_rewrite_identically(stock_imatrix, imatrix
     assert im.sha256 is not None and len(im.sha256) == 64
 
 
-def _gguf_tensors(path) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
-    return imatrix.gguf_tensor_table(path)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["gguf", "dat"])
 def test_our_imatrix_file_drives_stock_llama_quantize_identically(fmt, tmp_path, imatrix_llama256_gguf, ggml_lib):
@@ -277,7 +273,7 @@ def test_our_imatrix_file_drives_stock_llama_quantize_identically(fmt, tmp_path,
     # token_embd stays F32 (it has no imatrix entry; quantizing 12.6 M weights only costs time).
     _run([paths.tool_path("llama-quantize"), "--pure", "--token-embedding-type", "f32", "--imatrix", path,
           imatrix_llama256_gguf, out, "Q4_K", "2"])
-    src, dst = _gguf_tensors(imatrix_llama256_gguf), _gguf_tensors(out)
+    src, dst = header.tensor_table(imatrix_llama256_gguf), header.tensor_table(out)
     checked = 0
     for name in loaded.names():
         t, shape, data = src[name]

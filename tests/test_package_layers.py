@@ -21,7 +21,7 @@ PACKAGE_DIR = Path(__file__).resolve().parents[1] / PACKAGE
 # Lowest first: a module may import its own layer and those before it, never one after it.
 LAYERS = (
     "core",         # errors, envs, faults, fileio, paths, units, the ggml type table and bridge
-    "gguf",         # llama.cpp's converter, the HF -> GGUF layout, stock recipes, imatrix
+    "gguf",         # llama.cpp's converter, the GGUF header reader, the HF -> GGUF layout, stock recipes, imatrix
     "selection",    # menus, budget, assignment
     "quants",       # torch dequant kernels, bit-exact with ggml
     "candidates",   # cache, precache, compact, mixkernel, compensate, hessian_store

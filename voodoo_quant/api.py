@@ -117,15 +117,13 @@ class VoodooQuantizer:
     def quantize(self) -> "QuantizedModel":
         from .tools.calibrate import ImatrixConfig, compute  # lazy: `import voodoo_quant.api` stays free of torch
         from .training.trainer import Trainer  # lazy: `import voodoo_quant.api` stays free of torch
+        from .tools.memory_check import check_memory  # lazy: `import voodoo_quant.api` stays free of torch
 
         cfg = self.config
         hf = self.model_dir()
         data = self.workdir / "data"
         tokens = self._tokens(data / "train_tokens.pt")
-        imatrix = cfg.imatrix
-        if imatrix is None:
-            imatrix = str(self.workdir / "imatrix.gguf")
-            compute(ImatrixConfig(str(hf), str(tokens), imatrix))
+        imatrix = cfg.imatrix if cfg.imatrix is not None else str(self.workdir / "imatrix.gguf")
         tcfg = TrainConfig(
             model=str(hf), data_dir=str(data), imatrix=imatrix, compression_ratio=cfg.compression_ratio,
             target_bits=cfg.target_bits, seq_len=cfg.seq_len, max_steps=cfg.max_steps, lr=cfg.lr,
@@ -133,6 +131,9 @@ class VoodooQuantizer:
             attention_candidates=cfg.attention_candidates, non_attention_candidates=cfg.non_attention_candidates,
             device=cfg.device, dtype=cfg.dtype, seed=cfg.seed, output_dir=str(self.workdir / "run"), **cfg.extra,
         )
+        tcfg = check_memory(tcfg).cfg  # before the imatrix, Hessians and candidates: what fits (--memory_check)
+        if cfg.imatrix is None:
+            compute(ImatrixConfig(str(hf), str(tokens), imatrix))
         result = Trainer(tcfg).train()
         return QuantizedModel(hf, imatrix, result)
 

@@ -19,7 +19,7 @@ GPTQ, with a ggml block's columns fixed at once because they share a scale). A s
 32, or one 32-column sub-block of a 256-weight superblock. How the step's rounding Q is obtained
 is the sweep (:attr:`Compensation.sweep`):
 
-- ``"ruled"`` (:func:`_sweep_fixed`, the default): a 32-block is quantized by libggml-base as the
+- ``"ruled"`` (:func:`_sweep_fixed`): a 32-block is quantized by libggml-base as the
   walk reaches it. A superblock of :data:`fixed_rounding.SWEEP_TYPES` (K-quants, IQ4_XS) is
   quantized once, when the walk reaches it; its later steps are rounded in torch with that
   quantization's scales held fixed, and W' holds the rounded values (values its scales represent,
@@ -36,12 +36,24 @@ is the sweep (:attr:`Compensation.sweep`):
 - ``"fixed"``: as ``"ruled"``, but a grid IQ superblock is quantized again at every step, a
   libggml-base call on the whole superblock for each of its 8 steps (measured with a fixed-scale
   oracle instead: 8–36 % more layer error; requantizing every 2nd–8th step only, 8–37 %).
-- ``"packed"``: as ``"ruled"``, but each grid IQ step is rounded by the probe with the imatrix
-  slice repeated (the probe's σ²) and the probe's own scale ruler: 2.4–3.0× a plain candidate,
-  and 4–75 % more layer error than ``"fixed"`` on real tensors (the probe's rounding is as good
-  as the file's but not the file's). :data:`PACKED` walks named types so under ``"fixed"``
-  (a measured variant). float32, updates applied a group at a time; the factor from one Cholesky
+- ``"packed"`` (the default): as ``"ruled"``, but each step of a grid IQ type of
+  :data:`PACKED_SWEEP` (IQ3_S, IQ2_S, IQ2_XXS, IQ1_S) is rounded by the probe with the imatrix
+  slice repeated (the probe's σ²) and the probe's own scale ruler; the other ruled grid types
+  (:data:`PACKED_RULED`) are walked as under ``"ruled"``. 2.4–3.0× a plain candidate, and 4–75 %
+  more layer error than ``"fixed"`` on real tensors (the probe's rounding is as good as the
+  file's but not the file's); but the files' KLD on the 1.5B benchmark model is the same as the
+  ruled walk's within noise at two sizes and two eval texts, at 0.38× its train step
+  (docs/lab/2026-12-07-the-walk-in-files.md), so it is the default. :data:`PACKED` walks named
+  types so under ``"fixed"`` (a measured variant). float32, updates applied a group at a time; the factor from one Cholesky
   of the order-reversed H (``bench/compensation_cost.py``, ``bench/compensation_objective.py``).
+- ``"proxy"`` (:func:`_sweep_fixed` with `proxy`): as ``"ruled"``, but a step of a type of
+  :data:`proxy_rounding.TYPES` is rounded in torch by a model of the type's quantizer, so the
+  walk makes no libggml-base call for it (proxy_rounding.py): Q8_0 by its reference rounding
+  (the quantizer's values to the bit), Q4_K/Q5_K at 6-bit scales and mins fitted in torch when the
+  walk reaches the superblock (W' holds the rounded values), IQ2_XXS by a nearest-grid-entry
+  search at a few trial scales with its scale coded against the superblock's ruler (W' keeps the
+  updated weights). The other types are walked as ``"ruled"`` walks them. Measured with
+  ``bench/compensation_objective.py --sweeps ruled,packed,proxy``.
 - ``"requant"`` (the walk of assignments made before the sweep was a choice): the superblock is
   quantized again after each of its sub-blocks, float64; except for the types of
   :data:`WHOLE_SUPERBLOCK`, whose superblock is one step (their sub-block scales are coded against
@@ -72,8 +84,8 @@ from . import grid_probe
 
 ALGORITHM = "gptq-blocks/2"  # the "requant" sweep; /2: whole-superblock steps for WHOLE_SUPERBLOCK (Q5_K)
 FIXED_ALGORITHM = "gptq-fixed/2"  # the "ruled", "fixed" and "packed" sweeps (:func:`_sweep_fixed`; the digest adds which)
-SWEEPS = ("ruled", "fixed", "packed", "requant")
-DEFAULT_SWEEP = "ruled"
+SWEEPS = ("ruled", "fixed", "packed", "requant", "proxy")
+DEFAULT_SWEEP = "packed"
 DEFAULT_DAMP = 0.1
 LAZY = 128  # columns of a 32-block type updated together before the rest of the row (one GEMM)
 STEP = 32  # columns fixed per step: a block, or a 256-superblock's sub-block (its scale's span)
@@ -108,6 +120,9 @@ PACKED_SWEEP = frozenset({"IQ3_S", "IQ2_S", "IQ2_XXS", "IQ1_S"})
 # (a third stage the ruler does not follow: 1.0465x the per-step walk's error measured on a
 # down_proj), so it is walked per step
 RULED_SWEEP = frozenset(grid_probe.RULES) - {"IQ1_M"}
+# the "packed" sweep's other grid types (IQ2_XS, IQ3_XXS: the probe's own ruler is not measured on
+# them): walked as under "ruled", so no grid type but IQ1_M is quantized again at every step
+PACKED_RULED = RULED_SWEEP - PACKED_SWEEP
 PACK_NORM = "rms"  # a probe row's norm: its superblock's RMS ("max": its largest 32-column RMS; measured)
 # the weights a probe's search uses (grid_probe.py): "probe", the imatrix slice repeated (the
 # probe superblock's σ², not the row's); "row", each position weighted as its row's own superblock
@@ -168,10 +183,15 @@ class Compensation:
         damping and the Hessian's bytes (computed once): a changed walk never reads old candidates."""
         if not self._digest:
             algo = f"{ALGORITHM}|{','.join(sorted(WHOLE_SUPERBLOCK))}" if self.sweep == "requant" else FIXED_ALGORITHM
-            if self.sweep == "packed":
-                algo += f"|packed={','.join(sorted(PACKED_SWEEP))}:{PACK_NORM}"
-            if self.sweep == "ruled":
+            if self.sweep == "packed":  # /2: the ruled grid types outside PACKED_SWEEP walked ruled, not per step
+                algo += f"|packed={','.join(sorted(PACKED_SWEEP))}:{PACK_NORM}|ruled={','.join(sorted(PACKED_RULED))}"
+            if self.sweep in ("ruled", "proxy"):
                 algo += f"|ruled={','.join(sorted(RULED_SWEEP))}:{PACK_NORM}"
+            if self.sweep == "proxy":
+                from . import proxy_rounding as pr
+
+                algo += (f"|{pr.VERSION}={','.join(sorted(pr.TYPES))}:k{pr.K_TRIALS}:{pr.REFIT_MIN}"
+                         f":g{pr.GRID_TRIALS}:{pr.GRID_MODE}:{pr.LATER}")
             elif (self.sweep == "packed" or PACKED) and PACK_WEIGHTS != "probe":
                 algo += f"|weights={PACK_WEIGHTS}"
             if self.sweep != "requant" and (PACKED or GRID_STEPS is not None or GRID_HOLD or GRID_PASSES):
@@ -265,10 +285,12 @@ def _reversed_factor(hessian: np.ndarray, damp: float):
 
 
 def compensated_matrix(matrix: np.ndarray, qtype: str | qt.QType, imatrix: np.ndarray | None,
-                       comp: Compensation, lib=None) -> np.ndarray:
+                       comp: Compensation, lib=None, *, record: dict | None = None) -> np.ndarray:
     """W' for `matrix` (rows × n, float32, GGUF layout) in `qtype`: see the module docstring.
     Columns whose Hessian diagonal is zero (never active on the calibration text) are left as
-    they are and pass no error on."""
+    they are and pass no error on. With `record` (a dict; sweeps but "requant"), its
+    ``"rounding"`` is set to the walk's rounding of every step (rows × n float32, NaN where a
+    step was not rounded): what the walk assumed the file's values would be."""
     import torch
 
     q = qt.get(qtype)
@@ -291,8 +313,10 @@ def compensated_matrix(matrix: np.ndarray, qtype: str | qt.QType, imatrix: np.nd
         if U is None:
             return m
         if comp.sweep != "requant":  # dead columns: no update reaches them, no error leaves them
-            packed = {"packed": PACKED_SWEEP, "ruled": RULED_SWEEP}.get(comp.sweep, PACKED)
-            return np.ascontiguousarray(_sweep_fixed(m, q, imatrix, U, dead, lib, B, packed, ruled=comp.sweep == "ruled"))
+            packed, ruled = {"packed": (PACKED_SWEEP, PACKED_RULED), "ruled": (frozenset(), RULED_SWEEP),
+                             "proxy": (frozenset(), RULED_SWEEP)}.get(comp.sweep, (PACKED, frozenset()))
+            return np.ascontiguousarray(_sweep_fixed(m, q, imatrix, U, dead, lib, B, packed, ruled,
+                                                     proxy=comp.sweep == "proxy", record=record))
         W = torch.from_numpy(m.astype(np.float64))
         live = torch.from_numpy(~dead)
         step = B if q.name in WHOLE_SUPERBLOCK else min(B, STEP)
@@ -315,7 +339,8 @@ def compensated_matrix(matrix: np.ndarray, qtype: str | qt.QType, imatrix: np.nd
 
 
 def _sweep_fixed(m: np.ndarray, q: qt.QType, imatrix, M, dead, lib, B: int,
-                 packed: frozenset = frozenset(), *, ruled: bool = False) -> np.ndarray:
+                 packed: frozenset = frozenset(), ruled: frozenset = frozenset(), *, proxy: bool = False,
+                 record: dict | None = None) -> np.ndarray:
     """The "ruled", "fixed" and "packed" sweeps, in float32: W' for `m` with the error of every 32
     columns passed on.
 
@@ -324,10 +349,10 @@ def _sweep_fixed(m: np.ndarray, q: qt.QType, imatrix, M, dead, lib, B: int,
     libggml's values, each later step is rounded with that quantization's scales held fixed
     (fixed_rounding.py), and W' holds the rounded values: a superblock of values the quantizer's
     scales represent exactly, which libggml-base quantizes back to (nearly) the same values, so
-    the error passed on is the file's. A step of a `packed` type is rounded by libggml-base
-    on a probe of 8 rows' step columns (:func:`grid_probe.probe_rounding`); with `ruled`, each of
-    its superblocks is quantized when the walk reaches it (the first step's rounding) and the
-    later steps' scales are coded against that superblock's ruler
+    the error passed on is the file's. A step of a `packed` or `ruled` type is rounded by
+    libggml-base on a probe of 8 rows' step columns (:func:`grid_probe.probe_rounding`); for a
+    `ruled` type, each of its superblocks is quantized when the walk reaches it (the first step's
+    rounding) and the later steps' scales are coded against that superblock's ruler
     (:class:`grid_probe.SuperblockRuler`). Any other type (its block of 32, or a grid IQ
     superblock) is quantized by libggml-base at every step, as the "requant" sweep does; for
     these and the packed types W' holds the updated weights, and the row's last step (no later
@@ -343,10 +368,15 @@ def _sweep_fixed(m: np.ndarray, q: qt.QType, imatrix, M, dead, lib, B: int,
     steps are GPTQ's with U_GG = M_GG⁻¹, the diagonal block of the Cholesky factor of H⁻¹
     (Frantar et al.): no n × n inverse is formed (the LDLQ form of the same update, Chee et al.,
     QuIP). The GRID_* settings are the measured variants the product does not use
-    (bench/compensation_cost.py sets them)."""
+    (bench/compensation_cost.py sets them). With `proxy`, the types of
+    :data:`proxy_rounding.TYPES` are rounded by proxy_rounding.py instead of libggml-base: a
+    32-block by :func:`proxy_rounding.round_q8_0`, a K-quant superblock's steps at the scales of
+    :class:`proxy_rounding.KQuantScales` (held, as "fixed" holds libggml's), a grid superblock's
+    by :class:`proxy_rounding.GridProxy` (not held)."""
     import torch
 
     from . import fixed_rounding  # lazy: it imports torch, which building plain candidates never needs
+    from . import proxy_rounding
 
     rows, n = m.shape
     W0 = torch.from_numpy(m)  # read only: the weights as given
@@ -360,9 +390,19 @@ def _sweep_fixed(m: np.ndarray, q: qt.QType, imatrix, M, dead, lib, B: int,
     steps = GRID_STEPS if grid and GRID_STEPS is not None else None
     hold = fixed or (steps is not None and GRID_HOLD)
     passes = int(GRID_PASSES) if grid else 0
-    pack = grid and q.name in packed
-    ruled = pack and ruled  # RULED_SWEEP's types, each in grid_probe.RULES
+    ruled = grid and q.name in ruled  # each in grid_probe.RULES
+    pack = ruled or (grid and q.name in packed)
     ruler = None
+    proxy = proxy and proxy_rounding.supports(q) and not passes and steps is None
+    if proxy and (B == STEP) != (q.name == "Q8_0") or proxy and B > STEP and not (fixed or grid):
+        raise QuantizationInputError(f"the proxy sweep has no superblock walk for {q.name}")
+    vt = proxy_rounding.as_vector(vec, W0.device) if proxy else None
+    held = proxy and grid and proxy_rounding.GRID_MODE == "held"  # W' holds values libggml gives back
+    hold = hold or held
+    rec = None
+    if record is not None:
+        rec = torch.full((rows, n), float("nan"), dtype=torch.float32)
+        record["rounding"] = rec.numpy()
     for g0 in range(0, n, group):
         g1 = min(n, g0 + group)
         Ug = torch.linalg.solve_triangular(M[g0:g1, g0:g1].double(), torch.eye(g1 - g0, dtype=torch.float64),
@@ -379,7 +419,18 @@ def _sweep_fixed(m: np.ndarray, q: qt.QType, imatrix, M, dead, lib, B: int,
                 if g0 + c1 == n and not hold:  # the row's last step: its error has no column to go to
                     break
                 b0 = (c0 // B) * B  # the block holding the step, local
-                if scales is not None and (fixed or (c0 - b0) // step not in steps):
+                if proxy and B == STEP:  # a 32-block: its step is the block
+                    Qs = proxy_rounding.round_q8_0(W[:, c0:c1])
+                elif proxy and fixed:
+                    if c0 == b0:
+                        scales = proxy_rounding.KQuantScales(W[:, b0:b0 + B], q, None if vt is None else vt[g0 + b0:g0 + b0 + B])
+                    Qs = scales.round(W[:, c0:c1], c0 - b0, c1 - b0)
+                elif proxy:
+                    if c0 == b0:
+                        kind = proxy_rounding.HeldGridProxy if held else proxy_rounding.GridProxy
+                        ruler = kind(W[:, b0:b0 + B], q, None if vt is None else vt[g0 + b0:g0 + b0 + B])
+                    Qs = ruler.round(c0 - b0, W[:, b0:b0 + B])
+                elif scales is not None and (fixed or (c0 - b0) // step not in steps):
                     Qs = scales.round(W[:, c0:c1], c0 - b0, c1 - b0)
                 elif pack and ruled and c0 == b0:  # the walk reaches the superblock: quantized as it stands
                     ruler = grid_probe.SuperblockRuler(W[:, b0:b0 + B], q, None if vg is None else vg[b0:b0 + B], lib)
@@ -406,9 +457,11 @@ def _sweep_fixed(m: np.ndarray, q: qt.QType, imatrix, M, dead, lib, B: int,
                 E = (W[:, c0:c1] - Qs) * live[g0 + c0:g0 + c1]
                 err = torch.linalg.solve_triangular(Ug[c0:c1, c0:c1], E, upper=True, left=False)
                 if hold:
-                    W[:, c0:c1] = Qs
+                    W[:, c0:c1] = ruler.held if held else Qs
                 W[:, c1:] -= err @ Ug[c0:c1, c1:]
                 Q[:, c0:c1] = Qs
+                if rec is not None:
+                    rec[:, g0 + c0:g0 + c1] = Qs
         out[:, g0:g1] = W
         if g1 < n:
             out[:, g1:] += ((W0[:, g0:g1] - Q) * live[g0:g1]) @ M[g0:g1, g1:]

@@ -39,6 +39,11 @@ def register(app: typer.Typer) -> None:
                 if launched_rank() == 0:
                     print_dry_run(console, plan_dry_run(tiny(cfg), timing=True))
                 return
+            from ..tools.memory_check import check_memory  # lazy: keeps `voodoo --help` light
+
+            # before anything loads: the plan of --dry_run, acted on (--memory_check); every rank
+            # plans alike and goes on with the same config, rank 0 says so
+            cfg = check_memory(cfg, announce=launched_rank() == 0).cfg
             if cfg.tensor_parallel > 1 and launched_rank() > 0:  # rank 0 reports and writes; the others compute
                 Trainer(cfg).train()
                 leave()

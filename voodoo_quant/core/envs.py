@@ -27,8 +27,9 @@ VARIABLES: tuple[EnvVar, ...] = (
     EnvVar("VOODOO_CACHE_DIR", "root of caches (candidates, llama.cpp build); default ~/.cache/voodoo_quant"),
     EnvVar("VOODOO_QUANT_WORKERS", "threads/processes for ggml quantization; default: CPU count"),
     EnvVar("VOODOO_FINALIZE_WORKERS", "workers for bake/export quantization; default: VOODOO_QUANT_WORKERS"),
-    EnvVar("VOODOO_DEVICE_MEMORY_GB", "memory of one device for the --dry_run fit check; default: the GPU's, "
-           "else 32 (the reference recipe's cards) for --device cuda"),
+    EnvVar("VOODOO_DEVICE_MEMORY_GB", "memory of one device for the memory plan's fit check (--dry_run, and a "
+           "run's own check before it loads anything, --memory_check); default: the GPU's, else 32 (the reference "
+           "recipe's cards) for --device cuda, else the host's RAM"),
     EnvVar("VOODOO_TP_TIMEOUT_MIN", "minutes a tensor-parallel rank waits in a collective before it gives up "
            "(rank 0 alone fills the candidate cache and computes the sensitivity table while the others wait "
            "at a barrier; torch's own default is 10 for NCCL, 30 for gloo)", "240"),

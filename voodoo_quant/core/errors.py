@@ -52,3 +52,9 @@ class ToolFailedError(VoodooError):
 
 class DeviceError(ConfigError):
     """A ``--device`` that does not exist on this machine (the message lists those that do)."""
+
+
+class MemoryFitError(VoodooError):
+    """A run's memory plan does not fit its device, and no setting that keeps its result makes it
+    fit (``--memory_check``): raised before the run loads anything; the message names the need,
+    the capacity and the flags that would fit."""

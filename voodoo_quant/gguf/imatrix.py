@@ -11,7 +11,7 @@ changes K-quant bytes, so :meth:`Imatrix.vector` is the only place the division 
 File formats follow ``tools/imatrix/imatrix.cpp`` (``save_imatrix`` / ``save_imatrix_legacy``)
 and ``common/imatrix-loader.cpp`` at the pinned commit; :func:`save_gguf` writes the same bytes
 ``gguf_write_to_file`` writes for the same data (a test checks a round trip of a file written
-by stock ``llama-imatrix``).
+by stock ``llama-imatrix``). A GGUF imatrix's header is read by :mod:`.header`.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from typing import Iterable, Mapping
 import numpy as np
 
 from ..core import fileio
-from ..core import qtypes as qt
 from ..core.errors import ConfigError, CorruptFileError
+from .header import ALIGNMENT, GGUF_MAGIC, GGUF_VERSION, MALFORMED, T_ARRAY, T_STRING, T_UINT32, Reader, read_header
 
 # common/imatrix-loader.h
 KV_DATASETS = "imatrix.datasets"
@@ -35,11 +35,6 @@ KV_CHUNK_SIZE = "imatrix.chunk_size"
 SUFFIX_SUMS = ".in_sum2"
 SUFFIX_COUNTS = ".counts"
 
-_GGUF_MAGIC = b"GGUF"
-_GGUF_VERSION = 3
-_ALIGN = 32  # GGUF_DEFAULT_ALIGNMENT (ggml/include/gguf.h)
-# gguf_type values (ggml/include/gguf.h)
-_T_UINT32, _T_STRING, _T_ARRAY = 4, 8, 9
 _GGML_F32 = 0
 
 
@@ -172,7 +167,7 @@ class Imatrix:
             nmat = e.counts.size
             tensors.append((name + SUFFIX_SUMS, (e.sums.size // nmat, nmat), e.sums.astype("<f4").tobytes()))
             tensors.append((name + SUFFIX_COUNTS, (1, nmat), e.counts.astype("<f4").tobytes()))
-        out = bytearray(_GGUF_MAGIC + struct.pack("<Iqq", _GGUF_VERSION, len(tensors), len(kvs)))
+        out = bytearray(GGUF_MAGIC + struct.pack("<Iqq", GGUF_VERSION, len(tensors), len(kvs)))
         for kv in kvs:
             out += kv
         offset = 0
@@ -215,7 +210,7 @@ class Imatrix:
 
 # -- GGUF encoding helpers (ggml/src/gguf.cpp gguf_writer_base) ---------------------------------
 def _pad_len(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+    return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
 
 
 def _str(s: str) -> bytes:
@@ -224,15 +219,15 @@ def _str(s: str) -> bytes:
 
 
 def _kv_str(key: str, val: str) -> bytes:
-    return _str(key) + struct.pack("<i", _T_STRING) + _str(val)
+    return _str(key) + struct.pack("<i", T_STRING) + _str(val)
 
 
 def _kv_u32(key: str, val: int) -> bytes:
-    return _str(key) + struct.pack("<iI", _T_UINT32, int(val))
+    return _str(key) + struct.pack("<iI", T_UINT32, int(val))
 
 
 def _kv_str_arr(key: str, vals: list[str]) -> bytes:
-    return _str(key) + struct.pack("<iiQ", _T_ARRAY, _T_STRING, len(vals)) + b"".join(_str(v) for v in vals)
+    return _str(key) + struct.pack("<iiQ", T_ARRAY, T_STRING, len(vals)) + b"".join(_str(v) for v in vals)
 
 
 def vector_hash(v: np.ndarray | None) -> str | None:
@@ -251,11 +246,8 @@ def load(path: str | Path) -> Imatrix:
     except FileNotFoundError:
         raise CorruptFileError(f"imatrix {path} does not exist") from None
     try:
-        im = _parse_gguf(raw) if raw[:4] == _GGUF_MAGIC else _parse_dat(raw)
-    except (struct.error, ValueError, IndexError, KeyError, UnicodeDecodeError, TypeError, ZeroDivisionError,
-            OverflowError, RecursionError, MemoryError) as e:
-        # TypeError: a metadata value of the wrong GGUF type; ZeroDivisionError: alignment 0;
-        # RecursionError: arrays nested without end (tests/test_fuzz_readers.py).
+        im = _parse_gguf(raw) if raw[:4] == GGUF_MAGIC else _parse_dat(raw)
+    except MALFORMED as e:
         raise CorruptFileError(f"imatrix {path} is truncated or malformed: {type(e).__name__}: {e}") from None
     except CorruptFileError as e:
         raise CorruptFileError(f"imatrix {path}: {e}") from None
@@ -264,63 +256,8 @@ def load(path: str | Path) -> Imatrix:
     return im
 
 
-class _Reader:
-    def __init__(self, raw: bytes):
-        self.raw, self.pos = raw, 0
-
-    def take(self, fmt: str):
-        vals = struct.unpack_from("<" + fmt, self.raw, self.pos)
-        self.pos += struct.calcsize("<" + fmt)
-        return vals if len(vals) > 1 else vals[0]
-
-    def bytes(self, n: int) -> bytes:
-        if n < 0 or self.pos + n > len(self.raw):
-            raise ValueError(f"needs {n} bytes at offset {self.pos}, file has {len(self.raw)}")
-        b = self.raw[self.pos:self.pos + n]
-        self.pos += n
-        return b
-
-    def string(self) -> str:
-        return self.bytes(self.take("Q")).decode()
-
-
-_SCALAR_FMT = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-
-
-def _read_value(r: _Reader, t: int):
-    if t == _T_STRING:
-        return r.string()
-    if t == _T_ARRAY:
-        at, n = r.take("iQ")
-        return [_read_value(r, at) for _ in range(n)]
-    if t not in _SCALAR_FMT:
-        raise ValueError(f"unknown GGUF value type {t}")
-    return r.take(_SCALAR_FMT[t])
-
-
-def _gguf_header(raw: bytes) -> tuple[dict, list[tuple[str, list[int], int, int]], int]:
-    """(key/values, [(name, ne (ggml order), ggml type id, offset)], start of the data section)."""
-    r = _Reader(raw)
-    r.bytes(4)
-    version, n_tensors, n_kv = r.take("Iqq")
-    if version < 2:
-        raise CorruptFileError(f"GGUF version {version} is not supported")
-    kv = {}
-    for _ in range(n_kv):
-        key = r.string()
-        kv[key] = _read_value(r, r.take("i"))
-    infos = []
-    for _ in range(n_tensors):
-        name = r.string()
-        ne = [r.take("q") for _ in range(r.take("I"))]
-        gtype, off = r.take("iQ")
-        infos.append((name, ne, gtype, off))
-    align = int(kv.get("general.alignment", _ALIGN))
-    return kv, infos, (r.pos + align - 1) // align * align
-
-
 def _parse_gguf(raw: bytes) -> Imatrix:
-    kv, infos, data0 = _gguf_header(raw)
+    kv, infos, data0 = read_header(raw)
     sums: dict[str, np.ndarray] = {}
     counts: dict[str, np.ndarray] = {}
     for name, ne, gtype, off in infos:
@@ -351,7 +288,7 @@ def _parse_gguf(raw: bytes) -> Imatrix:
 
 
 def _parse_dat(raw: bytes) -> Imatrix:
-    r = _Reader(raw)
+    r = Reader(raw)
     n_entries = r.take("i")
     if n_entries < 1:
         raise CorruptFileError("not a GGUF file and no legacy imatrix entries")
@@ -372,17 +309,3 @@ def _parse_dat(raw: bytes) -> Imatrix:
                 datasets.append(r.bytes(n).decode())
     return Imatrix(entries, datasets=datasets, chunk_count=chunk_count, chunk_size=0, is_legacy=True)
 
-
-def gguf_tensor_table(path: str | Path) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
-    """name → (ggml type, shape rows-first, raw bytes) of every tensor of a GGUF file.
-
-    A fast header walk with this module's reader (gguf.GGUFReader takes ~12 s on a 49k-token
-    vocabulary); used by tests and benches that compare tensors byte for byte.
-    """
-    raw = Path(path).read_bytes()
-    _, infos, base = _gguf_header(raw)
-    out = {}
-    for name, ne, gtype, off in infos:
-        t, shape = qt.by_id(gtype).name, tuple(reversed(ne))
-        out[name] = (t, shape, raw[base + off: base + off + qt.tensor_bytes(t, shape)])
-    return out

@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 from ..core import qtypes as qt
 from ..core.errors import CorruptFileError
-from .imatrix import _gguf_header
+from .header import read_header
 from .recipes import ModelParams, RecipeError, RecipeTensor, recipe
 
 def _first(v: Any) -> int:
@@ -34,7 +34,7 @@ def gguf_inputs(path: str | Path) -> tuple[list[RecipeTensor], ModelParams]:
         with open(path, "rb") as f:
             head = f.read(min(n, size))
         try:
-            kv, infos, _ = _gguf_header(head)
+            kv, infos, _ = read_header(head)
             break
         except (struct.error, ValueError, UnicodeDecodeError) as e:
             if len(head) >= size:

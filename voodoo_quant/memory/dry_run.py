@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -35,6 +35,7 @@ class DryRun:
     memory: MemoryPlan
     notes: list[str] = field(default_factory=list)
     time: Any = None  # time_plan.TimePlan, with `timing` (probed on this machine)
+    replan: Callable[[dict], MemoryPlan] | None = None  # the memory plan of the run with these flag changes
 
 
 def device_capacity(cfg) -> float | None:
@@ -99,7 +100,7 @@ def dry_run(cfg, world: int | None = None, *, timing: bool = False) -> DryRun:
         return plan_for(dataclasses.replace(cfg, **change), w)
 
     mem = plan_for(cfg, world, replan)
-    run = DryRun(cfg, plans, budget, mem, notes)
+    run = DryRun(cfg, plans, budget, mem, notes, replan=replan)
     if timing:
         run.time, why = time_plan_for(cfg, model, plans, budget, covered, imx)
         notes += [f"no time prediction: {why}"] if why else []

@@ -25,8 +25,9 @@ training leaves resident (candidates, teacher, other weights, gates) the phase h
   ``PREFIX_CACHE_BYTES``.
 
 **The guarantee's off-menu candidates** (training/references.py): the references' types that are
-on no tensor's menu, quantized in the setup and held packed in RAM to the end of the run
-(:func:`references_bytes`); a tensor-parallel rank holds the bytes of its shards.
+on no tensor's menu, quantized in the setup (plain, never compensated: training/guarantee.py) and
+held packed in RAM to the end of the run (:func:`references_bytes`); a tensor-parallel rank holds
+the bytes of its shards.
 
 ``--search_sequences`` counts the held-aside sequences; the search's confirmation
 (``--search_confirm``) measures its own split after the search's is released, so the larger of

@@ -68,7 +68,9 @@ BASE = "IQ2_XXS"  # the probed grid type the DERIVED ones are priced from
 # ``bench/time_model.py constants`` (this module's quant_rates and compensation_rates on all seven
 # grid types, side by side; bench/results/time_model_constants.json), 2026-12-07, the 2-core
 # machine with other jobs on it (single runs scattered by up to ±30 %). Under "ruled" IQ1_M is
-# walked per step (compensate.RULED_SWEEP), under "packed" IQ2_XS and IQ1_M.
+# walked per step (compensate.RULED_SWEEP), under "packed" IQ2_XS and IQ1_M. Packed now walks IQ2_XS
+# as ruled does (compensate.PACKED_RULED), so its "packed" figure (per step) overprices it; not
+# re-measured (a rerun under load divided by a walk rate measured as 0 s).
 DERIVED: dict[str, dict[str, float]] = {
     "IQ2_XS": {"plain": 1.66, "ruled": 1.48, "fixed": 1.74, "packed": 12.7, "requant": 1.88},
     "IQ2_S": {"plain": 0.52, "ruled": 0.72, "fixed": 0.56, "packed": 0.64, "requant": 0.57},
@@ -254,14 +256,17 @@ def byte_rates() -> tuple[float, float]:
 
 
 def probe(types: Iterable[str], *, hidden: int, intermediate: int, compensation: str | None = None,
-          sweep: str = "ruled", damp: float = 0.1, workers: int | None = None, rungs: int = 1, lib=None) -> Rates:
+          sweep: str = "packed", damp: float = 0.1, workers: int | None = None, rungs: int = 1, lib=None,
+          plain: Iterable[str] = ()) -> Rates:
     """Measure this machine's rates for a run whose menus hold `types` (`rungs`: the most a tensor
     has), whose model is `hidden` wide with MLPs `intermediate` wide; `compensation` (the run's
     resolved ``--error_compensation``; None or "none": no walk probed), `sweep` and `damp` its
-    settings."""
+    settings. `plain`: types of `types` no candidate is compensated in (the guarantee's off-menu
+    types), whose walk is not probed."""
     t0 = time.perf_counter()
     lib = lib or ggml.lib()
     types = sorted({qt.get(t).name for t in types})
+    walk = set(types) - {qt.get(t).name for t in plain}
     derived = tuple(t for t in types if t in DERIVED)
     direct = sorted({t for t in types if t not in DERIVED} | ({BASE} if derived else set()))
     workers = workers or envs.quant_workers()
@@ -275,17 +280,19 @@ def probe(types: Iterable[str], *, hidden: int, intermediate: int, compensation:
     chol = chol_rate()
     cw: dict[str, float] = {}
     cs: dict[str, float] = {}
-    if compensation and compensation != "none":
-        cw, cs = compensation_rates(direct, sweep, damp, gemm1, lib)
+    walked = sorted({t for t in direct if t in walk} | ({BASE} if walk & set(derived) else set()))
+    if compensation and compensation != "none" and walked:
+        cw, cs = compensation_rates(walked, sweep, damp, gemm1, lib)
     for t in derived:  # priced from IQ2_XXS's (module docstring)
         q[t] = q[BASE] / DERIVED[t]["plain"]
-        if cw:
+        if BASE in cw and t in walk:
             cw[t], cs[t] = cw[BASE] * DERIVED[t][sweep], cs[BASE]
     for t in set(direct) - set(types):  # probed only to price the derived ones
         q.pop(t)
         bare.pop(t, None)
-        cw.pop(t, None)
-        cs.pop(t, None)
+    for t in set(cw) - walk:
+        cw.pop(t)
+        cs.pop(t)
     sha, cp = byte_rates()
     return Rates(quant=q, dequant=dequant_rates(types, lib), bare=bare, comp_weight=cw, comp_step=cs, gemm=gemm, gemm1=gemm1,
                  chol=chol, parallel=par, sha256=sha, copy=cp, curvature=curvature_rate(rungs),

@@ -10,6 +10,7 @@ from typing import Collection, Mapping, Sequence
 
 import torch.nn as nn
 
+from ..candidates.compensate import applies
 from ..candidates.hessian_store import FILE as HESSIANS_FILE
 from ..core import envs, fileio
 from ..core import qtypes as qt
@@ -106,8 +107,8 @@ def plan_time(cfg, model: nn.Module, plans: Sequence, budget: Budget, rates: Rat
 
     refs = references(cfg, model, plans, budget, covered)
     jobs = tm.candidate_jobs(plans, modules, compensated=comp, extra=refs.extra if refs else None, covered=covered)
-    cached = set(cached)
-    found = {(j.name, j.qtype) for j in jobs if (j.name, j.qtype) in cached}
+    cached = set(cached)  # plain entries: a compensated job's bytes are another entry
+    found = {(j.name, j.qtype) for j in jobs if (j.name, j.qtype) in cached and not (j.compensated and applies(j.qtype))}
     todo = [j for j in jobs if (j.name, j.qtype) not in found]
     factors = tm.factor_widths(plans, modules, shp.inputs, workers) if comp and todo else []
     cand, note = tm.candidate_seconds(todo, rates, factors, workers)
@@ -209,10 +210,13 @@ def time_plan_for(cfg, model: nn.Module, plans: Sequence, budget: Budget, covere
         return None, "the time model covers one process on the CPU (--device cpu, no tensor parallelism)"
     text = model.config.get_text_config()
     refs = references(cfg, model, plans, budget, covered)
-    types = {t for p in plans for t in p.menu.types} | {t for ts in (refs.extra if refs else {}).values() for t in ts}
+    extra = refs.extra if refs else {}
+    menus = {t for p in plans for t in p.menu.types}
+    types = menus | {t for ts in extra.values() for t in ts}
     rates = probe(types, hidden=text.hidden_size, intermediate=getattr(text, "intermediate_size", 4 * text.hidden_size),
                   compensation=cfg.compensation, sweep=cfg.compensation_sweep, damp=cfg.compensation_damp,
-                  workers=envs.quant_workers(), rungs=max(len(p.menu.types) for p in plans))
+                  workers=envs.quant_workers(), rungs=max(len(p.menu.types) for p in plans),
+                  plain=types - menus)  # the references' off-menu types are built plain: no walk to price
     n_file = None
     if cfg.data_path.is_file():
         try:
@@ -223,7 +227,7 @@ def time_plan_for(cfg, model: nn.Module, plans: Sequence, budget: Budget, covere
             n_file = None
     vectors = {p.gguf_name: v for p in plans if imx is not None and p.gguf_name
                and (v := imx.get_vector(p.gguf_name, p.n_per_row)) is not None}
-    cached = tm.cached_candidates(plans, vectors)
+    cached = tm.cached_candidates(plans, vectors, extra=extra)
     ckpt = _checkpoint_bytes(Path(cfg.model))
     return plan_time(cfg, model, plans, budget, rates, covered=covered, n_file=n_file, cached=cached,
                      checkpoint_bytes=ckpt), None

@@ -28,7 +28,8 @@ The stages, as ``Trainer.prepare`` and the method run them (one process, the CPU
   next type, compensate.FACTOR_CACHE_BYTES); the grid setup of every IQ type each worker runs
   (:data:`GRID_SETUP_S`); the parent's pass over every weight (copy to GGUF layout, sha256) before
   the pool starts. Candidates found in the cache (:func:`cached_candidates`) are not built. A
-  ``--method gates`` run with the guarantee adds its references' off-menu types.
+  ``--method gates`` run with the guarantee adds its references' off-menu types, each a plain
+  candidate whatever the run's compensation (training/guarantee.py).
 * **sensitivity pass** (Fisher, training/layerwise.py): per token of ``--sensitivity_sequences`` ×
   ``--seq_len``, the decoder layers run four times (forward, its recompute with grad, the input
   gradient, the Fisher products δ²ᵀx²) and the LM head three times; then the curvature of every
@@ -265,15 +266,19 @@ def candidate_seconds(jobs: Sequence[Job], rates: Rates, factors: Sequence[int],
 
 def candidate_jobs(plans: Sequence, modules: Mapping[str, nn.Module], *, compensated: bool,
                    extra: Mapping[str, Iterable[str]] | None = None, covered: Iterable[str] = ()) -> list[Job]:
-    """Every (tensor, type) to build: the menus, and `extra` (tensor -> off-menu types); a tensor
-    whose GGUF name `covered` holds is quantized with its imatrix vector."""
+    """Every (tensor, type) to build: the menus (compensated where `compensated` and the tensor has
+    a Hessian), and `extra` (tensor -> the guarantee's off-menu types), always plain
+    (``training/setup.extra_candidate_blobs``); a tensor whose GGUF name `covered` holds is
+    quantized with its imatrix vector."""
     covered = set(covered)
     jobs = []
     for p in plans:
         comp = compensated and compensable(p, modules)
         rows = _numel(p) // p.n_per_row
-        types = list(p.menu.types) + sorted(set((extra or {}).get(p.name, ())) - set(p.menu.types))
-        jobs += [Job(p.name, t, rows, p.n_per_row, comp, p.gguf_name in covered) for t in types]
+        cov = p.gguf_name in covered
+        jobs += [Job(p.name, t, rows, p.n_per_row, comp, cov) for t in p.menu.types]
+        jobs += [Job(p.name, t, rows, p.n_per_row, False, cov)
+                 for t in sorted(set((extra or {}).get(p.name, ())) - set(p.menu.types))]
     return jobs
 
 
@@ -284,11 +289,13 @@ def factor_widths(plans: Sequence, modules: Mapping[str, nn.Module], inputs: Seq
     return [n for n in inputs for _ in range(min(workers, k))]
 
 
-def cached_candidates(plans: Sequence, vectors: Mapping[str, object], root: Path | None = None) -> set[tuple[str, str]]:
-    """(tensor, type) of the plain candidates the cache appears to hold: an entry whose meta names
-    the tensor with its shape, type, imatrix vector and this libggml (cache.py's key, but for the
-    weights' contents: hashing them needs the weights). Compensated entries are not matched (their
-    key holds the Hessians' hash)."""
+def cached_candidates(plans: Sequence, vectors: Mapping[str, object], root: Path | None = None,
+                      extra: Mapping[str, Iterable[str]] | None = None) -> set[tuple[str, str]]:
+    """(tensor, type) of the plain candidates the cache appears to hold, of the menus and of
+    `extra` (tensor -> off-menu types, plain whatever the run's compensation): an entry whose meta
+    names the tensor with its shape, type, imatrix vector and this libggml (cache.py's key, but for
+    the weights' contents: hashing them needs the weights). Compensated entries are not matched
+    (their key holds the Hessians' hash)."""
     root = root or default_root()
     if not root.is_dir():
         return set()
@@ -296,7 +303,7 @@ def cached_candidates(plans: Sequence, vectors: Mapping[str, object], root: Path
     want: dict[tuple, tuple[str, str]] = {}
     for p in plans:
         vec = vectors.get(p.gguf_name) if p.gguf_name else None
-        for t in p.menu.types:
+        for t in dict.fromkeys([*p.menu.types, *sorted((extra or {}).get(p.name, ()))]):
             v = None if qt.get(t).is_float else vec
             want[(p.name, (_numel(p) // p.n_per_row, p.n_per_row), t, vector_hash(v))] = (p.name, t)
     found = set()

@@ -31,6 +31,10 @@ class TensorChoice:
     confidence: float | None = None  # gate probability of the chosen candidate
     menu: tuple[str, ...] = ()  # the tensor's menu, cheapest first
     sha256: str | None = None  # of the chosen candidate's bytes as training read them; export writes no other
+    # whether those bytes are error-compensated (W' quantized): False for a plain type under a
+    # compensated run (a guarantee reference's off-menu type is stock llama-quantize's bytes);
+    # None: not recorded (older files), the assignment's `compensation` says for every tensor
+    compensated: bool | None = None
 
     def __post_init__(self) -> None:
         qt.get(self.qtype)  # refuses unknown names

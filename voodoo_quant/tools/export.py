@@ -390,7 +390,9 @@ def export(cfg: ExportConfig) -> ExportResult:
                 w2 = np.ascontiguousarray(np.asarray(t.data, dtype=np.float32).reshape(-1, shape[-1]))
                 # Q8_0 and F16 (the base type and its fallback) take no imatrix (quantize_q8_0 ignores it)
                 vec = None if imat is None or t.name in fixed or qt.get(q).is_float else imat.get_vector(t.name, shape[-1])
-                comp = None if t.name in fixed else comp_of.get(t.name)  # the candidates' compensation
+                # the candidate's compensation; none where training's bytes were plain (a reference's
+                # off-menu type: guarantee.py), as the assignment records per tensor
+                comp = None if t.name in fixed or recorded[t.name].compensated is False else comp_of.get(t.name)
                 want = None if t.name in fixed else recorded[t.name].sha256
                 data = candidate_bytes(cands, w2, q, vec, comp, want, name=t.name, lib=lib, workers=cfg.workers,
                                        allow=cfg.allow_mismatch)

@@ -15,7 +15,7 @@ from typing import Sequence
 from ..core import paths
 from ..core import qtypes as qt
 from ..core.errors import CorruptFileError, ToolFailedError, VoodooError
-from ..gguf.imatrix import _gguf_header
+from ..gguf.header import GGUF_MAGIC, MALFORMED, read_header
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,6 @@ def _tensors(path: Path, what: str) -> list[tuple[str, int, int, int]]:
     """(name, weights, data bytes, data offset) of every tensor of a GGUF, checked as
     :func:`check_gguf` says."""
     import math
-    import struct
 
     path = Path(path)
     try:
@@ -91,15 +90,14 @@ def _tensors(path: Path, what: str) -> list[tuple[str, int, int, int]]:
     while True:
         with open(path, "rb") as f:
             raw = f.read(n)
-        if raw[:4] != b"GGUF":
+        if raw[:4] != GGUF_MAGIC:
             raise CorruptFileError(f"{what} {path} is not a GGUF file (no GGUF magic)")
         try:
-            _, infos, data0 = _gguf_header(raw)
+            _, infos, data0 = read_header(raw)
             out = [(name, math.prod(ne), qt.tensor_bytes(qt.by_id(gtype), tuple(reversed(ne)) or (1,)), data0 + off)
                    for name, ne, gtype, off in infos]
             break
-        except (struct.error, ValueError, IndexError, KeyError, UnicodeDecodeError, TypeError, ZeroDivisionError,
-                OverflowError, RecursionError, MemoryError) as e:
+        except MALFORMED as e:
             if n >= size:
                 first = (str(e).strip().splitlines() or [""])[0]
                 raise CorruptFileError(f"{what} {path} is truncated or malformed: {type(e).__name__}: {first}") from None

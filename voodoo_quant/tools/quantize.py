@@ -410,6 +410,15 @@ class Ladder:
 
         return evaluate_ladder(self, files)
 
+    def check_memory(self) -> None:
+        """Every size's memory plan (``--memory_check``), once the teacher's config exists and
+        before the reference, the imatrix and the candidates: a size that cannot fit stops the
+        ladder now, not at its training step. Each training step plans again and applies."""
+        from .memory_check import check_memory  # lazy: voodoo_quant.api imports this module
+
+        for size in self.cfg.sizes:
+            check_memory(self.cfg.train_config(size, self.teacher_hf, self.data_dir, self.imatrix), announce=False)
+
     # -- everything ----------------------------------------------------------------------------
     def run(self) -> QuantizeResult:
         from .card import write_card  # lazy: voodoo_quant.api imports this module
@@ -417,6 +426,7 @@ class Ladder:
         c = self.cfg
         self.data()
         self.teacher()
+        self.check_memory()
         self.reference_gguf()
         self.imatrix_step()
         self.cache()
@@ -440,7 +450,9 @@ def run_training(tcfg, on_step: Callable[[], None], teacher_cache: Path | None):
     `teacher_cache` (None: no cache). Returns (TrainResult, the cache or None)."""
     from ..training.teacher_cache import wrap_teacher  # lazy: voodoo_quant.api imports this module
     from ..training.trainer import Trainer  # lazy: voodoo_quant.api imports this module
+    from .memory_check import check_memory  # lazy: voodoo_quant.api imports this module
 
+    tcfg = check_memory(tcfg).cfg  # before the Hessians and candidates: what fits (--memory_check)
     trainer = Trainer(tcfg, on_step=lambda m: on_step(), progress=False)
     run = trainer.prepare()
     cache = None

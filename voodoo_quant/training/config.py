@@ -23,6 +23,7 @@ SEQ_LEN = 512
 DTYPES = ("float32", "bfloat16", "float16")
 METHODS = ("gates", "sensitivity")
 SENSITIVITY_KINDS = ("fisher", "output", "measured")
+MEMORY_CHECKS = ("auto", "warn", "off")  # --memory_check (tools/memory_check.py)
 COMPENSATIONS = ("auto", "gptq", "none")  # --error_compensation (compensate.py); auto: see TrainConfig.compensation
 # The llama-quantize recipes the guarantee compares with (those that fit the budget; recipes.py).
 STOCK_REFERENCES = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "Q2_K_S", "Q2_K", "IQ3_XXS", "IQ3_XS",
@@ -98,6 +99,8 @@ class TrainConfig:
     no_compile: bool = setting(False, help="Accepted for old command lines; does nothing.", hidden=True, changes=NOTHING)
     tensor_parallel: int = setting(1, help="Tensor-parallel degree (run through `voodoo tp`).", panel=HARDWARE)
     device_map: str | None = setting(None, help="Layer-wise placement, e.g. cuda:0,cuda:1.", panel=ADVANCED, changes=OUTPUT)
+    # before anything loads: the memory plan of --dry_run (memory/), acted on by tools/memory_check.py
+    memory_check: str = setting("auto", help="Before loading anything, plan the run's memory as --dry_run does. auto: when the plan does not fit the device (VOODOO_DEVICE_MEMORY_GB sets its size), turn on the settings that keep the result (--lazy; --gradient_checkpointing in one CPU process without a tied gated weight) if they make it fit, and stop with the plan's advice if they do not; warn: only say that it does not fit; off: no plan.", panel=ADVANCED, changes=NOTHING, metavar="auto|warn|off")
     # journal
     partial_save_interval: int = setting(10, help="Write the journal every N steps.", panel=ADVANCED, changes=NOTHING)
     resume: bool = setting(True, help="Resume from the journal in --output_dir if present.", panel=ADVANCED, changes=NOTHING)
@@ -131,9 +134,9 @@ class TrainConfig:
     error_compensation: str = setting("auto", help="gptq: each tensor is quantized by the same quantizer with every block's rounding error passed on to its later columns, from the layer inputs' Hessians on calibration text (stock llama-quantize writes the same types, not these bytes); none: the weights as they are (the bytes stock llama-quantize writes); auto: gptq.", panel=ADVANCED)
     compensation_sequences: int = setting(32, help="Calibration sequences of the Hessians under --error_compensation gptq (first N of the training tokens).", panel=ADVANCED)
     compensation_damp: float = setting(0.1, help="Damping of the Hessians: H + λ·mean(diag H)·I.", panel=ADVANCED)
-    # the walk's rounding oracle (compensate.py): "fixed" quantizes a superblock once and rounds its
-    # later 32-column steps with those scales; "requant" asks the quantizer again at every step
-    compensation_sweep: str = setting("ruled", help="How the compensation walk rounds a 256-weight superblock's 32-column steps: ruled (K-quants and IQ4_XS quantized once when the walk reaches them, later steps rounded with their scales; a grid IQ superblock quantized once when the walk reaches it, each later step's grid points from the quantizer on a probe of 8 rows' 32 columns weighted as their own superblock weighs them, its scale coded against the superblock's largest), fixed (as ruled, with every grid IQ step quantized again with its whole superblock), packed (each grid IQ step from the probe with the probe's own weights and scale) or requant (every step quantized again with its superblock). The bytes are the quantizer's either way.", panel=ADVANCED)
+    # the walk's rounding oracle (compensate.py, whose DEFAULT_SWEEP this default is: a test keeps
+    # them equal; imported lazily there, so it is written here)
+    compensation_sweep: str = setting("packed", help="How the compensation walk rounds a 256-weight superblock's 32-column steps: packed (K-quants and IQ4_XS quantized once when the walk reaches them, later steps rounded with their scales; each step of IQ3_S, IQ2_S, IQ2_XXS and IQ1_S from the quantizer on a probe of 8 rows' 32 columns, with the probe's own weights and scale; the other grid IQ types as ruled), ruled (as packed, but a grid IQ superblock quantized once when the walk reaches it, each later step's probe weighted as its own superblock weighs it and its scale coded against the superblock's largest: less layer error, the same files' KLD measured, 2.6x the time), fixed (every grid IQ step quantized again with its whole superblock), requant (every step quantized again with its superblock) or proxy (as ruled, with the steps of Q8_0, Q4_K, Q5_K and IQ2_XXS rounded in torch by a model of the quantizer: measured on synthetic problems only). The bytes are the quantizer's either way.", panel=ADVANCED)
     stock_references: tuple[str, ...] = setting(STOCK_REFERENCES, help="llama-quantize ftypes the guarantee considers (default: all; the largest three that fit are measured).", panel=ADVANCED, changes=OUTPUT)
 
     @property
@@ -207,6 +210,8 @@ class TrainConfig:
                 raise ConfigError(f"{flag} must be an integer >= {lo}, got {v!r}")
         if not (isinstance(self.search_margin, (int, float)) and self.search_margin >= 0):
             raise ConfigError(f"--search_margin must be a number >= 0, got {self.search_margin!r}")
+        if self.memory_check not in MEMORY_CHECKS:
+            raise ConfigError(f"--memory_check must be one of {', '.join(MEMORY_CHECKS)}, got {self.memory_check!r}")
         if self.error_compensation not in COMPENSATIONS:
             raise ConfigError(f"--error_compensation must be one of {', '.join(COMPENSATIONS)}, got {self.error_compensation!r}")
         if not isinstance(self.compensation_sequences, int) or isinstance(self.compensation_sequences, bool) \

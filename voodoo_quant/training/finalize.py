@@ -103,7 +103,10 @@ def improve(run, gate_choices: Sequence[tuple[str, Mapping[str, int]]], *,
         if cfg.search_evals > 0:
             main = run.tp is None or run.tp.is_main
             pinned = {n for n in rungs if is_pinned(n, cfg.upgrades)}
-            settings = {"result_hash": cfg.result_hash(), "reprobe": 4, "hi": hi, "lo": lo, "margin": cfg.search_margin}
+            # off_menu: the references' off-menu rungs are plain bytes (setup.extra_candidate_blobs); a
+            # journal measured on compensated ones is not resumed
+            settings = {"result_hash": cfg.result_hash(), "reprobe": 4, "hi": hi, "lo": lo, "margin": cfg.search_margin,
+                        "off_menu": "plain"}
             key = search_key(types_of(rungs, start), held, settings)
             res = local_search(rungs, start, held, lo=lo, hi=hi, max_evals=cfg.search_evals, pinned=pinned,
                                journal_path=cfg.out_dir / JOURNAL_NAME, write_journal=main, key=key,

@@ -25,6 +25,25 @@ The references' off-menu types (a recipe's Q6_K where the menu has none) need th
 quantized from the float weights, which the student no longer holds once the gates replace them:
 ``plan_references`` runs in the trainer's setup, before the student is built, and its off-menu
 bytes go through the candidate cache like every other candidate.
+
+**Which bytes a reference is measured with.** A tensor holds one set of bytes per type (its rungs,
+``rungs.py``), so a reference's tensor in type T is served:
+
+- T on the tensor's menu: the run's own candidate, error-compensated under
+  ``--error_compensation gptq`` (the bytes the gates choose among);
+- T off the tensor's menu: plain, ``ggml_quantize_chunk`` of the float weights with the run's
+  imatrix vector and no compensation (``setup.extra_candidate_blobs``): exactly the tensor stock
+  ``llama-quantize`` writes in T from the same weights and imatrix.
+
+So ``stock <FTYPE>`` measures stock's per-tensor types with stock's own bytes wherever the menus
+lack the type, and the run's compensated candidate wherever a menu has it; without compensation
+(or where no type of the recipe is on a menu) it is stock's file, tensor for tensor. The same holds
+for ``uniform <T>``; the knapsacks are menu types only. A reference stands for what a user gets
+for free from stock ``llama-quantize``: its off-menu types cost a plain candidate each (IQ1_M's
+compensation walk is ~10× one, ``compensate.py``), not a compensated one nobody would otherwise
+make. The search's off-menu rungs are these plain bytes too. The assignment records per tensor
+whether its bytes are compensated (``TensorChoice.compensated``: False for an off-menu type), and
+export writes those bytes (checked against the recorded sha256), not compensated ones.
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ from .setup import candidate_sources, extra_candidate_blobs, plan_shard, reader_
 
 def plan_references_for(run, base, vectors, imx, *, progress: bool = False) -> None:
     """The free references of the guarantee (``guarantee.plan_references``) and the candidates of
-    their off-menu types, on `run`."""
+    their off-menu types, on `run`: plain (never error-compensated: ``setup.extra_candidate_blobs``),
+    stock llama-quantize's bytes for those tensors."""
     cfg = run.cfg
     if not cfg.guarantee:
         return
@@ -52,12 +53,19 @@ def _rank_shard(run):
 def complete_curvature(run, base, vectors, sens, *, save: bool = True) -> None:
     """Curvature matrices over every rung the search may serve: the menu and the references'
     off-menu types (the Fisher diagonal is recomputed only if a stored table lacked them); with
-    `save`, stored with the table so the next size of a ladder finds these rungs."""
+    `save`, stored with the table so the next size of a ladder finds these rungs. A stored entry
+    names the off-menu types it priced from plain bytes (``"plain"``); one priced before those
+    were plain (from compensated bytes) is priced again."""
     cfg = run.cfg
     if run.curvature is None:
         return
-    need = [p for p in run.plans if not (set(p.menu.types) | {t for (n, t) in run.extra_blobs if n == p.name}
-                                        <= set(run.curvature[p.name]["types"]))]
+    off = {p.name: {t for (n, t) in run.extra_blobs if n == p.name} for p in run.plans}
+
+    def priced(p) -> bool:
+        c = run.curvature[p.name]
+        return set(p.menu.types) | off[p.name] <= set(c["types"]) and off[p.name] <= set(c.get("plain", ()))
+
+    need = [p for p in run.plans if not priced(p)]
     if not need:
         return
     weights = reader_weights(base, run.plans)
@@ -78,6 +86,8 @@ def complete_curvature(run, base, vectors, sens, *, save: bool = True) -> None:
         for p in need:
             types, m = fisher.curvature(p, weights[p.name], sens.fisher[p.name], blobs_for(p))
             run.curvature[p.name] = {"types": types, "m": m.tolist()}
+    for p in need:  # its off-menu rungs priced from the plain bytes the run holds
+        run.curvature[p.name]["plain"] = sorted(set(run.curvature[p.name]["types"]) - set(p.menu.types))
     if save:
         sens.save(run.plans)
 

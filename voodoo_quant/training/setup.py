@@ -17,7 +17,7 @@ import torch.nn as nn
 from ..arch import adapter_for
 from ..arch.base import ArchAdapter
 from ..candidates.cache import CandidateCache
-from ..candidates.compensate import compensation_of
+from ..candidates.compensate import applies, compensation_of
 from ..candidates.precache import CandidateJob, build_all
 from ..core import envs, fileio
 from ..core import qtypes as qt
@@ -121,6 +121,9 @@ class RunSetup:
     # (tensor, type) -> sha256 of the candidate bytes this process read (candidate_sources): the
     # assignment records the chosen one's, export checks its bytes against it
     candidate_sha256: dict[tuple[str, str], str] = field(default_factory=dict)
+    # the tensors whose menu candidates are error-compensated (those with a Hessian under
+    # --error_compensation gptq): with the type, what the assignment records (candidate_is_compensated)
+    compensated: frozenset[str] = frozenset()
     # the soft mixtures' outputs, kept across training steps (layers.MixBuffers); cleared when training ends
     mix_buffers: MixBuffers = field(default_factory=MixBuffers)
 
@@ -264,20 +267,21 @@ def extra_candidate_blobs(plans: list[TensorPlan], weights: dict[str, torch.Tens
                           wanted: dict[str, set[str]], *, progress: bool = False, keep=None,
                           hashes: dict | None = None) -> dict[tuple[str, str], Any]:
     """(tensor, type) -> ggml bytes for types off a tensor's menu (the guarantee's references),
-    through the same cache, quantizer and imatrix vector as the menu's candidates; with `keep`
-    ((plan, type, bytes) -> what to hold), what it makes of each as it is read (a rank's shard)."""
+    through the same cache, quantizer and imatrix vector as the menu's candidates, but plain: the
+    float weights as they are, never error-compensated, so each is exactly the tensor stock
+    llama-quantize writes in that type with the same imatrix (``guarantee.py``: a reference stands
+    for a file the user gets for free; :func:`candidate_is_compensated`). With `keep` ((plan, type,
+    bytes) -> what to hold), what it makes of each as it is read (a rank's shard)."""
     jobs = []
     for p in plans:
-        types = sorted(wanted.get(p.name, ()))
+        types = sorted(set(wanted.get(p.name, ())) - set(p.menu.types))  # a menu type's bytes are the run's candidate
         if not types:
             continue
         w = weights[p.name]
         vec = vectors.get(p.gguf_name) if p.gguf_name is not None else None
-        comp = compensation_of(vectors, p.name)
         provider = (lambda lay=p.layout, w=w: lay.to_gguf(w))
-        for t in types:
-            jobs.append(CandidateJob(p.name, t, provider=provider, imatrix=None if qt.get(t).is_float else vec,
-                                     compensation=comp))
+        for t in types:  # compensation=None: keyed in the cache apart from a compensated candidate
+            jobs.append(CandidateJob(p.name, t, provider=provider, imatrix=None if qt.get(t).is_float else vec))
     if not jobs:
         return {}
     report = build_all(jobs, CandidateCache(), progress=progress)
@@ -290,6 +294,14 @@ def extra_candidate_blobs(plans: list[TensorPlan], weights: dict[str, torch.Tens
             hashes[(j.name, j.qtype)] = hashlib.sha256(blob).hexdigest()
         out[(j.name, j.qtype)] = keep(by[j.name], j.qtype, blob)
     return out
+
+
+def candidate_is_compensated(plan: TensorPlan, qtype: str, compensated: set[str] | frozenset[str]) -> bool:
+    """Whether the run's bytes of tensor `plan` in `qtype` are error-compensated: a quantized type
+    on its menu of a tensor the run compensates (`compensated`: the tensors with a Hessian); a
+    reference's off-menu type never is (:func:`extra_candidate_blobs`). The assignment records it
+    per tensor, and export writes those bytes, not the compensated ones."""
+    return plan.name in compensated and qtype in plan.menu.types and applies(qtype)
 
 
 def candidate_blobs(plans: list[TensorPlan], weights: dict[str, torch.Tensor], vectors: dict[str, np.ndarray],

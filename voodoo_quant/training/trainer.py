@@ -16,7 +16,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 
@@ -49,8 +49,8 @@ from .references import complete_curvature, plan_references_for
 from .schedule import batch_indices, tau_at
 from .sensitivity import ensure_table, load_stored
 from .setup import (
-    RunSetup, build_student, candidate_sources, hold_aside, imatrix_vectors, load_imatrix, load_tokens, plan_run,
-    plan_shard, reader_weights, tiny,
+    RunSetup, build_student, candidate_is_compensated, candidate_sources, hold_aside, imatrix_vectors, load_imatrix,
+    load_tokens, plan_run, plan_shard, reader_weights, tiny,
 )
 from .tp_losses import tp_distill_terms
 
@@ -142,6 +142,7 @@ class Trainer:
                                                     weights_sha256=self.run.provenance["weights_sha256"],
                                                     progress=self.progress, device=device, tp=tp)
             vectors = QuantInputs(vectors, comps)
+            self.run.compensated = frozenset(comps)
         self.run.provenance["compensation"] = compensation
         if cfg.needs_sensitivity:
             need_curv = build and ((self.measures and cfg.searches) or (cfg.relaxation_gap and cfg.method == "gates"))
@@ -339,14 +340,7 @@ class Trainer:
             if run.tp is not None:  # every rank measured the same values: the same winner, checked
                 check_same_choice(dict(types), run.tp)  # types: an off-menu reference may have won
         faults.hit("bake")
-        tensors = {}
-        for p in run.plans:
-            t = types[p.name]
-            conf = round(float(probs[p.name][p.menu.types.index(t)]), 6) if t in p.menu.types else None
-            tensors[p.name] = TensorChoice(
-                name=p.name, qtype=t, shape=p.shape, nbytes=sizes[p.name], gguf_name=p.gguf_name,
-                confidence=conf, menu=p.menu.types, sha256=run.candidate_sha256.get((p.name, t)),
-            )
+        tensors = tensor_choices(run, types, sizes, probs)
         final = history[-1].to_dict() if history else {}
         asg = Assignment(
             tensors=tensors, model=str(cfg.model), target_bytes=run.budget.target_bytes,
@@ -382,6 +376,23 @@ class Trainer:
             },
         )
         return TrainResult(asg, res, pt_path, asg_path, tt_path, history, resumed_from)
+
+
+def tensor_choices(run: RunSetup, types: Mapping[str, str], sizes: Mapping[str, int],
+                   probs: Mapping[str, torch.Tensor]) -> dict[str, TensorChoice]:
+    """The assignment's record of each tensor written at `types`: its bytes, the gate probability of
+    a menu type, the sha256 of the candidate bytes the run measured, and whether they are
+    compensated (a reference's off-menu type is plain: ``setup.candidate_is_compensated``)."""
+    out = {}
+    for p in run.plans:
+        t = types[p.name]
+        conf = round(float(probs[p.name][p.menu.types.index(t)]), 6) if t in p.menu.types else None
+        out[p.name] = TensorChoice(
+            name=p.name, qtype=t, shape=p.shape, nbytes=sizes[p.name], gguf_name=p.gguf_name,
+            confidence=conf, menu=p.menu.types, sha256=run.candidate_sha256.get((p.name, t)),
+            compensated=candidate_is_compensated(p, t, run.compensated),
+        )
+    return out
 
 
 def mixes_per_layer(run: RunSetup, router) -> bool:
