@@ -25,6 +25,9 @@ FLOOR = "Q8_0"
 WALKS = ("packed", "ruled")
 METHODS = ("voodoo", "knapsack-gptq", "knapsack", *(f"knapsack-gptq-{w}" for w in WALKS))
 DEFAULT_METHODS = METHODS[:3]
+# the ruled walk's files were made as "knapsack-gptq" while it was the product's default: a row's
+# identity keeps that name, so those rows are this method's
+LEGACY_KEYS = {"knapsack-gptq-ruled": "knapsack-gptq"}
 UNIFORM = ("IQ2_S", "IQ3_S", "Q3_K_S", "IQ4_XS", "Q4_K_S", "Q5_K_S", "Q6_K")
 SIZES = ("min", 25, 30, 35, 40, 45, 55, 65, 75, 85, 95)
 SHARED_STEPS = ("data", "make-teacher", "reference", "imatrix", "candidate-cache")
@@ -122,7 +125,8 @@ class Item:
         return Variant(self.variant_name, {**extra, **own})
 
     def key(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if v is not None}
+        d = {k: v for k, v in asdict(self).items() if v is not None}
+        return {**d, "method": LEGACY_KEYS.get(self.method, self.method)}
 
 
 def resolve(method: str) -> str:

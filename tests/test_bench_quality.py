@@ -254,6 +254,9 @@ def test_plan_order_and_command_line(tmp_path):
                             "--methods", "knapsack-gptq-packed"])
     (item,) = [i for i in q.plan(only, (30,)) if i.trained]
     assert item.label == "Voodoo30-knapsack-gptq-packed" and item.variant({}).train["compensation_sweep"] == "packed"
+    # the ruled walk's rows were made as "knapsack-gptq" while it was the default: the same identity
+    assert q.Item("knapsack-gptq-ruled", size=30).key() == {"method": "knapsack-gptq", "size": 30}
+    assert q.Item("knapsack-gptq-ruled", size=30).variant({}).train["compensation_sweep"] == "ruled"
     v = q.Item("knapsack", size=30).variant({"lr": 0.3})
     assert v.train == {"lr": 0.3, "method": "sensitivity", "error_compensation": "none"}
     with pytest.raises(SystemExit, match="--fair_sizes"):

@@ -73,7 +73,7 @@ def test_probe_gives_a_rate_for_every_default_menu_type():
     assert set(r.derived) == {t for t in DEFAULT_CANDIDATES if t in DERIVED} == {"IQ2_S", "IQ1_S"}
     for t in r.derived:
         assert r.quant[t] == pytest.approx(r.quant[BASE] / DERIVED[t]["plain"])
-        assert r.comp_weight[t] == pytest.approx(r.comp_weight[BASE] * DERIVED[t]["ruled"])
+        assert r.comp_weight[t] == pytest.approx(r.comp_weight[BASE] * DERIVED[t]["packed"])  # the default walk
 
 
 def test_no_compensation_no_hessians_and_plain_candidates(gate_model_dir, tmp_path):
