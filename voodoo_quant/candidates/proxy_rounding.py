@@ -209,12 +209,7 @@ class GridProxy:
     step's, and the later ones fitted on the current values (:data:`LATER`)."""
 
     def __init__(self, blk: torch.Tensor, q: str | qt.QType, v: torch.Tensor | None):
-        self.q = qt.get(q)
-        if self.q.name not in GRIDS:
-            raise QuantizationInputError(f"no grid proxy for {self.q.name}")
-        self.div, self.lmax, self.g, _ = grid_probe.RULES[self.q.name]
-        self.v = v
-        self.codes, self.levels = _grid(self.q.name, blk.device)
+        self._bind(q, v, blk.device)
         rows = blk.shape[0]
         self.s = torch.zeros(rows, blk.shape[1] // self.g, dtype=torch.float32, device=blk.device)
         self.first = None
@@ -223,6 +218,15 @@ class GridProxy:
             wt = self.weights(x)
             self.first = self.search(x, wt)
             self.later_levels = self.first[1]
+
+    def _bind(self, q: str | qt.QType, v: torch.Tensor | None, device) -> None:
+        """The type's ruler rule, the importance vector and the grid, on `device`."""
+        self.q = qt.get(q)
+        if self.q.name not in GRIDS:
+            raise QuantizationInputError(f"no grid proxy for {self.q.name}")
+        self.div, self.lmax, self.g, _ = grid_probe.RULES[self.q.name]
+        self.v = v
+        self.codes, self.levels = _grid(self.q.name, device)
 
     def weights(self, blk: torch.Tensor) -> torch.Tensor:
         """The search's weight of each value of the superblock `blk` (rows × 256):
@@ -370,12 +374,7 @@ class HeldGridProxy(GridProxy):
     and the codes ``l``, and the values are the step's."""
 
     def __init__(self, blk: torch.Tensor, q: str | qt.QType, v: torch.Tensor | None):
-        self.q = qt.get(q)
-        if self.q.name not in GRIDS:
-            raise QuantizationInputError(f"no grid proxy for {self.q.name}")
-        self.div, self.lmax, self.g, _ = grid_probe.RULES[self.q.name]
-        self.v = v
-        self.codes, self.levels = _grid(self.q.name, blk.device)
+        self._bind(q, v, blk.device)
         x = blk.to(torch.float32)
         _, _, s = self.search(x, self.weights(x), self.codes.abs(), trials=REACH_TRIALS)  # rows × 8, dequantizer units
         self.top = s.argmax(1, keepdim=True)
