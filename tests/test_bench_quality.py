@@ -73,7 +73,8 @@ def test_targets_ratios_use_seed_means_and_curves(rep):
     t = rep.targets(rows)
     assert t["floor"] == 0.01 and t["frontier"] == ["s-A", "s-C", "s-Q8"] and t["steps"] == 50
     small, x = t["sizes"]
-    assert small["size"] == 30 and small["ratio_vs_stock"] is None and "below every" in small["note"]
+    assert small["size"] == 30 and small["ratio_vs_stock"] is None
+    assert "KLD below the smallest's (stock IQ2_M, 0.2000)" in small["note"]  # 0.15 < s-A's 0.20
     assert x["n_seeds"] == 2 and x["kld_mean"] == pytest.approx(0.04) and x["kld_min"] == 0.03
     assert x["kld_stderr"] == pytest.approx(math.sqrt(2) * 0.001 / 2)
     assert x["ratio_vs_stock"] == pytest.approx(0.03 / (math.sqrt(0.20 * 0.05) - 0.01))
@@ -95,9 +96,9 @@ def test_the_knapsacks_alone_are_set_against_the_stock_frontier(rep):
     assert got[("knapsack-gptq", 35)]["ratio_vs_stock"] == pytest.approx(0.03 / (mid - 0.01))
     assert got[("knapsack", 35)]["ratio_vs_stock"] == pytest.approx(0.05 / (mid - 0.01))
     small = got[("knapsack", 25)]  # below stock's smallest file (s-A, 0.20): beats it, and says by how much
-    assert small["ratio_vs_stock"] is None and "below every" in small["note"]
+    assert small["ratio_vs_stock"] is None and "; KLD below the nearest's" in small["note"]
     assert "0.737× the nearest (stock IQ2_M, 90.0 MB)" in small["note"]  # 0.14 / 0.19
-    assert "NOT below every" in got[("knapsack", 20)]["note"]
+    assert "KLD NOT below the nearest's" in got[("knapsack", 20)]["note"]
 
 
 def test_the_two_compensation_walks_are_set_side_by_side_paired(rep):
