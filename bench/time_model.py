@@ -255,8 +255,14 @@ def _derived(repeats: int) -> dict:
         ratios["plain"].append({t: q[R.BASE] / q[t] for t in GRID})
         for sw in SWEEPS:
             cw, _ = R.compensation_rates(GRID, sw, 0.1, g1, lib)
+            if cw[R.BASE] <= 0:  # the two-size fit's slope came out ≤ 0: a neighbour's load, not a rate
+                print(rep, f"{sw}: {R.BASE}'s walk measured as 0 s per weight; this repeat is left out", flush=True)
+                continue
             ratios[sw].append({t: cw[t] / cw[R.BASE] for t in GRID})
-        print(rep, {k: {t: round(x, 2) for t, x in v[-1].items()} for k, v in ratios.items()}, flush=True)
+        print(rep, {k: {t: round(x, 2) for t, x in v[-1].items()} for k, v in ratios.items() if v}, flush=True)
+    empty = [k for k, v in ratios.items() if not v]
+    if empty:
+        raise SystemExit(f"no usable repeat for {', '.join(empty)}: run it again on an idle machine")
     return {t: {k: statistics.median(r[t] for r in v) for k, v in ratios.items()} for t in GRID}
 
 
