@@ -10,7 +10,7 @@ seconds per 1e9 weights on one core, and the layer objective of the file's bytes
 E = W − Ŵ, each sweep's over plain's. The factor of each sweep is timed once per matrix (it is
 shared by a tensor's types and by the tensors that read the same input).
 
-Variants of the "fixed" sweep for the grid IQ types (compensate.GRID_STEPS, GRID_HOLD): a sweep
+Variants of the "fixed" sweep for the grid IQ types (compensation_walk.GRID_STEPS, GRID_HOLD): a sweep
 named ``fixed-rR`` quantizes a grid superblock again every R-th 32-column step and rounds the steps
 between with the last quantization's scales; ``fixed-kK`` quantizes it at its first K steps only
 (the last 8 − K steps rounded with the K-th quantization's scales); a trailing ``h`` also writes the
@@ -18,7 +18,7 @@ rounded values into W'; ``fixed-pP`` walks each grid superblock P times, each pa
 libggml-base's values for what the previous pass left (GRID_PASSES), ``fixed-pPt`` with those
 values' scales and the torch rounding (GRID_PASS_ROUND); ``fixed-pack`` rounds each step by
 libggml-base's quantization of a probe: the step's 32 columns of 8 rows side by side as one
-256-wide row (compensate.PACKED: every grid type; ``fixed-packmax``: rows divided by their largest
+256-wide row (compensation_walk.PACKED: every grid type; ``fixed-packmax``: rows divided by their largest
 32-column RMS, not the superblock's RMS); ``fixed-step`` quantizes every grid superblock
 again at each step (PACKED empty). Every variant but ``fixed-pack`` empties PACKED. ``fixed`` is
 the sweep as the product runs it.
@@ -81,7 +81,7 @@ def problem(rows: int, n: int, seed: int = 0, row_spread: float = 0.0):
 
 
 def variant(sweep: str) -> tuple[str, dict]:
-    """(the product's sweep name, the compensate module's GRID_* settings for it) of `sweep`."""
+    """(the product's sweep name, the compensation_walk module's settings for it) of `sweep`."""
     if sweep == "fixed-pack":
         return "fixed", {"PACKED": frozenset(GRID)}
     if sweep == "fixed-packmax":  # the probe's rows divided by their largest 32-column RMS
@@ -102,7 +102,7 @@ def variant(sweep: str) -> tuple[str, dict]:
 def main() -> None:
     import torch
 
-    from voodoo_quant.candidates import compensate
+    from voodoo_quant.candidates import compensate, compensation_walk
     from voodoo_quant.core import ggml
     from voodoo_quant.candidates.compensate import Compensation, compensated_matrix
 
@@ -152,15 +152,15 @@ def main() -> None:
                 compensate._FACTORS[comps[sw].digest] = comps[sw].factor()  # kept: the walk alone is timed
                 timed = _Timed(lib)
                 settings = variant(sw)[1]
-                saved = {k: getattr(compensate, k) for k in settings}
+                saved = {k: getattr(compensation_walk, k) for k in settings}
                 for k, v in settings.items():
-                    setattr(compensate, k, v)
+                    setattr(compensation_walk, k, v)
                 t = time.perf_counter()
                 try:
                     m = compensated_matrix(W, q, vec, comps[sw], timed)
                 finally:
                     for k, v in saved.items():
-                        setattr(compensate, k, v)
+                        setattr(compensation_walk, k, v)
                 data = lib.quantize(m, q, vec, name="bench", workers=1)  # the candidate's bytes
                 dt = time.perf_counter() - t
                 deq = lib.dequantize(data, q, m.shape, name="bench")

@@ -5,9 +5,9 @@ H = Σ xᵀx and the imatrix vector (mean x² per input column, what ``llama-ima
 are collected on calibration text: the quality benchmark's (bench/quality_texts.py, its held-out
 files never read), or any ``.jsonl`` of text records. Each type is then built plain
 (libggml-base's quantization of W with that vector) and compensated with each sweep
-(``candidates/compensate.py``: "ruled", the default, every grid IQ step rounded from a probe
-with its row's weights and its scale coded against its superblock's ruler; "fixed", each grid IQ
-superblock quantized again at every step; "packed", the probe with its own weights and ruler;
+(``candidates/compensate.py``, ``candidates/compensation_walk.py``: "ruled", the default, every
+grid IQ step rounded from a probe with its row's weights and its scale coded against its
+superblock's ruler; "fixed", each grid IQ superblock quantized again at every step; "packed", the probe with its own weights and ruler;
 "proxy", the steps of proxy_rounding.TYPES rounded in torch with no libggml-base call in the
 walk; "requant", the quantizer again at every step), all on one thread, one after another on
 the same matrices. Printed, as Markdown:
@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from voodoo_quant.candidates import compensate, grid_probe  # noqa: E402
+from voodoo_quant.candidates import compensate, compensation_walk, grid_probe  # noqa: E402
 from voodoo_quant.core import ggml  # noqa: E402
 from voodoo_quant.selection.menus import DEFAULT_CANDIDATES  # noqa: E402
 
@@ -133,9 +133,9 @@ def objective(W, Wq, H) -> float:
     return float(((E @ Ht) * E).double().sum() / ((Wt @ Ht) * Wt).double().sum())
 
 
-DEFAULTS = {"PACK_NORM": compensate.PACK_NORM, "PACK_WEIGHTS": compensate.PACK_WEIGHTS}
-# the packed probe's measured variants: its rows' normalization (compensate.PACK_NORM) and the
-# weights its search uses (compensate.PACK_WEIGHTS: "row", each row's own superblock σ²; the
+DEFAULTS = {"PACK_NORM": compensation_walk.PACK_NORM, "PACK_WEIGHTS": compensation_walk.PACK_WEIGHTS}
+# the packed probe's measured variants: its rows' normalization (compensation_walk.PACK_NORM) and the
+# weights its search uses (compensation_walk.PACK_WEIGHTS: "row", each row's own superblock σ²; the
 # "ruled" sweep adds the row superblock's ruler to those weights, grid_probe.py)
 VARIANTS = {"packed-max": {"PACK_NORM": "max"}, "packed-row": {"PACK_WEIGHTS": "row"},
             "packed-max-row": {"PACK_NORM": "max", "PACK_WEIGHTS": "row"}}
@@ -143,16 +143,16 @@ VARIANTS = {"packed-max": {"PACK_NORM": "max"}, "packed-row": {"PACK_WEIGHTS": "
 
 def base(sweep: str) -> str:
     """The product's sweep of a sweep name or a measured variant, with the module settings of
-    that variant applied to compensate (the defaults for a plain sweep name)."""
+    that variant applied to compensation_walk (the defaults for a plain sweep name)."""
     for k, v in {**DEFAULTS, **VARIANTS.get(sweep, {})}.items():
-        setattr(compensate, k, v)
+        setattr(compensation_walk, k, v)
     return sweep.split("-")[0]
 
 
 def probe_rounding(W, q: str, vec, H, lib) -> dict:
     """The packed probe as a rounding oracle, with no walk: every 32-column step of W rounded by
     the probe (rows divided by their superblock's RMS, as the walk does; the weights as
-    compensate.PACK_WEIGHTS says) against libggml-base's quantization of W itself (the file's
+    compensation_walk.PACK_WEIGHTS says) against libggml-base's quantization of W itself (the file's
     rounding). The imatrix-weighted error and the layer objective of the probe's rounding ÷ the
     file's, the fraction of values that differ, and the fraction of 16-value groups whose grid
     pattern differs (not the file's values times one positive factor: another grid point or
@@ -164,15 +164,16 @@ def probe_rounding(W, q: str, vec, H, lib) -> dict:
     B = lib.block_size(qq)
     full = lib.dequantize(lib.quantize(W, q, vec, workers=1), q, W.shape)
     P = np.empty_like(W)
-    for s0 in range(0, W.shape[1], compensate.STEP):
+    for s0 in range(0, W.shape[1], compensation_walk.STEP):
         b0 = (s0 // B) * B
         sq = Wt[:, b0:b0 + B].square()
         c = sq.mean(1, keepdim=True).sqrt()
         c = torch.where(c > 0, c, torch.ones_like(c))
-        x = Wt[:, s0:s0 + compensate.STEP] / c
+        x = Wt[:, s0:s0 + compensation_walk.STEP] / c
         ms = sq.mean(1) / c.squeeze(1).square()
-        P[:, s0:s0 + compensate.STEP] = (grid_probe.probe_rounding(x, qq, vec[s0:s0 + compensate.STEP], lib, B, ms, compensate.PACK_WEIGHTS)
-                                         * c).numpy()
+        step = slice(s0, s0 + compensation_walk.STEP)
+        P[:, step] = (grid_probe.probe_rounding(x, qq, vec[step], lib, B, ms, compensation_walk.PACK_WEIGHTS)
+                      * c).numpy()
     err = lambda R: float((((W - R) ** 2) * vec[None, :]).sum())  # noqa: E731
     g_p, g_f = P.reshape(-1, 16).astype(np.float64), full.reshape(-1, 16).astype(np.float64)
     alpha = (g_p * g_f).sum(1, keepdims=True) / np.maximum((g_f * g_f).sum(1, keepdims=True), 1e-300)
@@ -285,10 +286,10 @@ def main(argv: list[str] | None = None) -> int:
                         near = np.abs(F - R).max(1) <= 1e-3 * np.abs(R).max(1)
                         row[f"{s}_same"] = float((F == R).all(1)[done].mean()) if done.any() else float("nan")
                         row[f"{s}_near"] = float(near[done].mean()) if done.any() else float("nan")
-                if a.probe_rounding and q in compensate.RULED_SWEEP:
+                if a.probe_rounding and q in compensation_walk.RULED_SWEEP:
                     for mode in grid_probe.WEIGHT_MODES:
                         base("packed")
-                        compensate.PACK_WEIGHTS = mode
+                        compensation_walk.PACK_WEIGHTS = mode
                         row[f"probe_{mode}"] = p = probe_rounding(W, q, vec, H, lib)
                         print(f"# {L}.{t} {q}: the probe's rounding of W (no walk, weights {mode}) ÷ the file's: "
                               f"imatrix-weighted error {p['weighted_err_ratio']:.4f}, layer objective "

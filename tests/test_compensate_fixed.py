@@ -1,4 +1,4 @@
-"""The "fixed" compensation sweep (compensate.py, fixed_rounding.py) and export's use of the
+"""The "fixed" compensation sweep (compensation_walk.py, fixed_rounding.py) and export's use of the
 candidates training read.
 
 - the rounding with a superblock's scales held fixed gives back the quantizer's own values for
@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from voodoo_quant.candidates import compensate, grid_probe
+from voodoo_quant.candidates import compensate, compensation_walk, grid_probe
 from voodoo_quant.core import ggml
 from voodoo_quant.core import qtypes as qt
 from voodoo_quant.candidates.cache import CandidateCache
@@ -77,7 +77,7 @@ def test_the_sweep_is_gptqs_update_with_the_whole_inverse_factor(q):
     qq = qt.get(q)
     B = lib.block_size(qq)
     M, dead = compensate._reversed_factor(H, 0.1)
-    got = compensate._sweep_fixed(W.copy(), qq, imx, M, dead, lib, B)
+    got = compensation_walk.sweep_fixed(W.copy(), qq, imx, M, dead, lib, B)
     want = _textbook_sweep(W, qq, imx, torch.linalg.inv(M.double()).float(), dead, lib, B)
     err = [_out_err(W, lib.quantize(np.ascontiguousarray(x), qq, imx), qq, X) for x in (got, want, W)]
     assert abs(err[0] / err[1] - 1) < 0.01 and err[2] > 1.3 * err[1], err
@@ -195,18 +195,18 @@ class _Counted:
 
 def test_a_grid_superblock_is_quantized_at_every_step_but_the_rows_last(monkeypatch):
     """The grid IQ types outside PACKED walk with libggml-base on the whole superblock at every
-    32-column step (compensate.GRID_STEPS is None: the cheaper variants measured worse,
+    32-column step (compensation_walk.GRID_STEPS is None: the cheaper variants measured worse,
     docs/lab/2026-12-05-grid-compensation.md); the row's last step has no later column to pass its
     error to, so it costs no call. A variant named by GRID_STEPS quantizes only at those steps and
     still hands libggml-base W' for the bytes."""
     lib = ggml.lib()
     W, _, H, imx = _problem(rows=8, n=512, tokens=1024, seed=13)
     c = Compensation(H, 0.1, "fixed")
-    assert compensate.GRID_STEPS is None and "IQ3_S" not in compensate.PACKED
+    assert compensation_walk.GRID_STEPS is None and "IQ3_S" not in compensation_walk.PACKED
     counted = _Counted(lib)
     m = compensated_matrix(W, "IQ3_S", imx, c, counted)
     assert counted.calls == 512 // 32 - 1 and counted.weights == counted.calls * 8 * 256
-    monkeypatch.setattr(compensate, "GRID_STEPS", frozenset({0, 4}))
+    monkeypatch.setattr(compensation_walk, "GRID_STEPS", frozenset({0, 4}))
     counted = _Counted(lib)
     m2 = compensated_matrix(W, "IQ3_S", imx, c, counted)
     assert counted.calls == 4 and not np.array_equal(m, m2)
@@ -214,12 +214,12 @@ def test_a_grid_superblock_is_quantized_at_every_step_but_the_rows_last(monkeypa
 
 
 def test_a_packed_step_is_quantized_as_one_probe_of_its_own_columns(monkeypatch):
-    """IQ2_XXS (compensate.PACKED): each step (but the row's last) costs one libggml-base call on
+    """IQ2_XXS (compensation_walk.PACKED): each step (but the row's last) costs one libggml-base call on
     the step's 32 columns of every row, 8 rows to a 256-wide probe row (rows padded to 8), and the
     probe's rounding of a row's columns is what libggml-base gives them in that probe."""
     lib = ggml.lib()
-    assert not compensate.PACKED  # the default walks every grid type per step (compensate.py)
-    monkeypatch.setattr(compensate, "PACKED", frozenset({"IQ2_XXS"}))
+    assert not compensation_walk.PACKED  # the default walks every grid type per step (compensation_walk.py)
+    monkeypatch.setattr(compensation_walk, "PACKED", frozenset({"IQ2_XXS"}))
     W, _, H, imx = _problem(rows=12, n=512, tokens=1024, seed=14)
     counted = _Counted(lib)
     compensated_matrix(W, "IQ2_XXS", imx, Compensation(H, 0.1, "fixed"), counted)
@@ -237,7 +237,7 @@ def test_the_packed_walk_is_within_two_percent_of_the_per_step_one(monkeypatch):
     candidate's cost, against 9.0-9.8x (bench/compensation_cost.py --sweeps fixed-step,fixed-pack)."""
     W, X, H, imx = _problem(seed=10)
     per_step = _out_err(W, quantize_compensated(W, "IQ2_XXS", imx, Compensation(H, 0.01, "fixed")), "IQ2_XXS", X)
-    monkeypatch.setattr(compensate, "PACKED", frozenset({"IQ2_XXS"}))
+    monkeypatch.setattr(compensation_walk, "PACKED", frozenset({"IQ2_XXS"}))
     packed = _out_err(W, quantize_compensated(W, "IQ2_XXS", imx, Compensation(H, 0.01, "fixed")), "IQ2_XXS", X)
     assert packed != per_step and packed < 1.02 * per_step, (packed, per_step)
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from voodoo_quant.candidates import compensate, grid_probe
+from voodoo_quant.candidates import compensate, compensation_walk, grid_probe
 from voodoo_quant.candidates.compensate import Compensation, compensated_matrix, quantize_compensated
 from voodoo_quant.core import qtypes as qt
 from voodoo_quant.quants import decompose
@@ -140,12 +140,12 @@ def test_the_default_packed_walk_takes_the_ruled_walk_where_the_probe_is_unmeasu
     from voodoo_quant.training.config import TrainConfig
 
     assert TrainConfig.__dataclass_fields__["compensation_sweep"].default == compensate.DEFAULT_SWEEP == "packed"
-    assert compensate.PACKED_RULED and not compensate.PACKED_RULED & compensate.PACKED_SWEEP
+    assert compensation_walk.PACKED_RULED and not compensation_walk.PACKED_RULED & compensation_walk.PACKED_SWEEP
     W, X, H, imx = _problem(rows=16, n=512, tokens=2048, seed=5)
-    for name in sorted(compensate.PACKED_RULED):
+    for name in sorted(compensation_walk.PACKED_RULED):
         m_packed = compensated_matrix(W, name, imx, Compensation(H, 0.05, "packed"))
         assert np.array_equal(m_packed, compensated_matrix(W, name, imx, Compensation(H, 0.05, "ruled"))), name
         assert not np.array_equal(m_packed, compensated_matrix(W, name, imx, Compensation(H, 0.05, "fixed"))), name
-    q = sorted(compensate.PACKED_SWEEP)[0]
+    q = sorted(compensation_walk.PACKED_SWEEP)[0]
     assert not np.array_equal(compensated_matrix(W, q, imx, Compensation(H, 0.05, "packed")),
                               compensated_matrix(W, q, imx, Compensation(H, 0.05, "ruled")))

@@ -24,7 +24,7 @@ LAYERS = (
     "gguf",         # llama.cpp's converter, the GGUF header reader, the HF -> GGUF layout, stock recipes, imatrix
     "selection",    # menus, budget, assignment
     "quants",       # torch dequant kernels, bit-exact with ggml
-    "candidates",   # cache, precache, compact, mixkernel, compensate, hessian_store
+    "candidates",   # cache, precache, compact, mixkernel, compensate (+ compensation_walk), hessian_store
     "hardware",     # CUDA / ROCm / CPU detection, env defaults, attention backend
     "model",        # loading models (modeling, lazyload, checkpoints), lm_head
     "distributed",  # parallel, tp_checkpoint, device_map

@@ -95,8 +95,8 @@ def test_a_winning_reference_is_exported_with_the_bytes_it_was_measured_with(tra
     from voodoo_quant.gguf import converter
     from voodoo_quant.selection.assignment import Assignment
     from voodoo_quant.tools.export import ExportConfig, export
+    from voodoo_quant.training.choices import tensor_choices
     from voodoo_quant.training.guarantee import rung_bytes
-    from voodoo_quant.training.trainer import tensor_choices
 
     root, d, tr, res, comps, mats, vecs = trained
     run = tr.run

@@ -1,5 +1,5 @@
 """Rounding columns of a quantized superblock again with its scales held fixed: the sweep's oracle
-for the 256-weight superblock types (compensate.py, ``sweep="fixed"``).
+for the 256-weight superblock types (compensation_walk.py, ``sweep="fixed"``).
 
 Error compensation walks a superblock 32 columns at a time and needs, at each step, how the
 quantizer would round the step's columns as they stand after the previous steps' updates. Asking
@@ -34,7 +34,7 @@ from ..quants.grids import table
 
 # code range of the integer-coded superblock types (ggml-quants.c, quantize_row_q*_K_ref)
 _INT = {"Q2_K": (0, 3), "Q3_K": (-4, 3), "Q4_K": (0, 15), "Q5_K": (0, 31), "Q6_K": (-32, 31)}
-# the types the "fixed" sweep rounds this way (compensate.py). The grid types' rounding below is
+# the types the "fixed" sweep rounds this way (compensation_walk.py). The grid types' rounding below is
 # kept and tested but not used by the sweep: libggml-base does not quantize their rounded values
 # back to themselves (it chooses its scales again), and the file's layer error was 8–36 % above
 # the per-step sweep's (docs/lab/2026-12-05-fast-compensation.md)

@@ -1,5 +1,5 @@
 """Rounding one 32-column step of a grid IQ superblock (IQ1–IQ3) from a probe: the oracle of the
-compensation walk's packed steps (compensate.py).
+compensation walk's packed steps (compensation_walk.py).
 
 libggml-base quantizes a grid superblock of 256 weights in two stages (``ggml-quants.c``,
 ``quantize_row_iq*_impl``):

@@ -1,5 +1,5 @@
 """libggml-base's grid IQ quantizers (IQ2_XXS, IQ2_S, IQ3_S, IQ1_S) in torch, vectorized over every
-sub-block of a matrix: a candidate rounding oracle for the compensation walk (compensate.py), where
+sub-block of a matrix: a candidate rounding oracle for the compensation walk (compensation_walk.py), where
 the walk needs to know how libggml-base would round a superblock as it stands.
 
 Each function follows its ``quantize_row_*_impl`` in ``ggml-quants.c`` step by step, with the same

@@ -1,5 +1,5 @@
 """A torch stand-in for libggml-base's rounding inside the compensation walk: the oracle of the
-``"proxy"`` sweep (compensate.py), which never calls libggml-base while it walks.
+``"proxy"`` sweep (compensation_walk.py), which never calls libggml-base while it walks.
 
 Every walk that asks libggml-base how a step rounds pays one quantization's work in the walk and
 one more for the candidate's bytes, so it costs at least 2× a plain candidate. The proxy sweep

@@ -52,7 +52,7 @@ from typing import Callable, Iterable
 import numpy as np
 import torch
 
-from ..candidates import compensate
+from ..candidates import compensate, compensation_walk
 from ..core import envs, ggml
 from ..core import qtypes as qt
 from ..quants.random_blocks import random_blocks
@@ -68,8 +68,8 @@ BASE = "IQ2_XXS"  # the probed grid type the DERIVED ones are priced from
 # ``bench/time_model.py constants`` (this module's quant_rates and compensation_rates on all seven
 # grid types, side by side; bench/results/time_model_constants.json), 2026-12-07, the 2-core
 # machine with other jobs on it (single runs scattered by up to ±30 %). Under "ruled" IQ1_M is
-# walked per step (compensate.RULED_SWEEP), under "packed" IQ2_XS and IQ1_M. Packed now walks IQ2_XS
-# as ruled does (compensate.PACKED_RULED), so its "packed" figure (per step) overprices it; not
+# walked per step (compensation_walk.RULED_SWEEP), under "packed" IQ2_XS and IQ1_M. Packed now walks IQ2_XS
+# as ruled does (compensation_walk.PACKED_RULED), so its "packed" figure (per step) overprices it; not
 # re-measured (a rerun under load divided by a walk rate measured as 0 s).
 DERIVED: dict[str, dict[str, float]] = {
     "IQ2_XS": {"plain": 1.66, "ruled": 1.48, "fixed": 1.74, "packed": 12.7, "requant": 1.88},
@@ -226,7 +226,7 @@ def compensation_rates(types: Iterable[str], sweep: str, damp: float, gemm1: flo
     per_weight, per_step = {}, {}
     try:
         comp.factor()  # computed once, kept: the walk alone is timed
-        steps = PROBE_N / compensate.STEP
+        steps = PROBE_N / compensation_walk.STEP
         for t in sorted({qt.get(t).name for t in types}):
             if not compensate.applies(t):
                 per_weight[t], per_step[t] = 0.0, 0.0

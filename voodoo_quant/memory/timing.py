@@ -72,7 +72,8 @@ import torch
 import torch.nn as nn
 
 from ..candidates.cache import default_root, lib_version
-from ..candidates.compensate import STEP, applies
+from ..candidates.compensate import applies
+from ..candidates.compensation_walk import STEP
 from ..core import qtypes as qt
 from ..distributed.parallel import decoder_layers
 from ..gguf.imatrix import vector_hash

@@ -16,7 +16,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Callable
 
 import torch
 
@@ -29,7 +29,7 @@ from ..distributed.device_map import apply_device_map, gate_sum, parse_device_ma
 from ..distributed.parallel import TPContext, apply_tp, check_same_choice, plan_tp, sync_gate_grads
 from ..distributed.tp_checkpoint import install
 from ..hardware import resolve_device as _resolve
-from ..selection.assignment import Assignment, TensorChoice
+from ..selection.assignment import Assignment
 from ..selection.budget import size_penalty
 from ..student import layers
 from .. import experimental
@@ -37,6 +37,7 @@ from ..experimental import routing
 from ..experimental.relaxation import RelaxationGap
 from . import journal, methods, provenance
 from .bake import BakeResult, bake, polish_baked
+from .choices import tensor_choices
 from .compensation import ensure as ensure_compensation
 from .config import TrainConfig
 from .finalize import improve
@@ -49,8 +50,8 @@ from .references import complete_curvature, plan_references_for
 from .schedule import batch_indices, tau_at
 from .sensitivity import ensure_table, load_stored
 from .setup import (
-    RunSetup, build_student, candidate_is_compensated, candidate_sources, hold_aside, imatrix_vectors, load_imatrix,
-    load_tokens, plan_run, plan_shard, reader_weights, tiny,
+    RunSetup, build_student, candidate_sources, hold_aside, imatrix_vectors, load_imatrix, load_tokens, plan_run,
+    plan_shard, reader_weights, tiny,
 )
 from .tp_losses import tp_distill_terms
 
@@ -376,23 +377,6 @@ class Trainer:
             },
         )
         return TrainResult(asg, res, pt_path, asg_path, tt_path, history, resumed_from)
-
-
-def tensor_choices(run: RunSetup, types: Mapping[str, str], sizes: Mapping[str, int],
-                   probs: Mapping[str, torch.Tensor]) -> dict[str, TensorChoice]:
-    """The assignment's record of each tensor written at `types`: its bytes, the gate probability of
-    a menu type, the sha256 of the candidate bytes the run measured, and whether they are
-    compensated (a reference's off-menu type is plain: ``setup.candidate_is_compensated``)."""
-    out = {}
-    for p in run.plans:
-        t = types[p.name]
-        conf = round(float(probs[p.name][p.menu.types.index(t)]), 6) if t in p.menu.types else None
-        out[p.name] = TensorChoice(
-            name=p.name, qtype=t, shape=p.shape, nbytes=sizes[p.name], gguf_name=p.gguf_name,
-            confidence=conf, menu=p.menu.types, sha256=run.candidate_sha256.get((p.name, t)),
-            compensated=candidate_is_compensated(p, t, run.compensated),
-        )
-    return out
 
 
 def mixes_per_layer(run: RunSetup, router) -> bool:
