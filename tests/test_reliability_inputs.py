@@ -111,6 +111,45 @@ def test_corrupt_imatrix(gate_model_dir, tmp_path, fmt):
     assert str(p) in line
 
 
+def test_an_imatrix_of_another_model_is_refused(gate_model_dir, tmp_path):
+    """An imatrix that covers none of the model's tensors would leave every candidate quantized
+    without it while the assignment records it: refused by name."""
+    import numpy as np
+
+    from voodoo_quant.gguf.imatrix import Entry, Imatrix
+
+    p = tmp_path / "imatrix.gguf"
+    Imatrix({"blk.0.ffn_down_shexp.weight": Entry(np.ones(512, np.float32), np.array([8]))}, ["x"], 1, 8).save_gguf(p)
+    line = one_line_error(_train(gate_model_dir, tmp_path / "out", "--imatrix", str(p)),
+                          expect="covers none of the model's .* selectable tensors")
+    assert str(p) in line
+
+
+def test_a_corrupt_converted_gguf_is_refused_by_name(gate_model_dir, tmp_path):
+    import numpy as np
+
+    from voodoo_quant.core import qtypes as qt
+    from voodoo_quant.gguf import converter
+    from voodoo_quant.selection.assignment import Assignment, TensorChoice
+    from voodoo_quant.tools.export import ExportConfig, export
+    from voodoo_quant.training import provenance
+
+    d = gate_model_dir / "model"
+    n = "model.layers.0.mlp.down_proj.weight"
+    asg = provenance.stamp(Assignment({n: TensorChoice(n, "Q8_0", (256, 512), qt.tensor_bytes("Q8_0", (256, 512)))},
+                                      model=str(d)), d)
+    bad = tmp_path / "model-f32.gguf"
+    w = converter.vendored_gguf().GGUFWriter(bad, "llama")
+    w.add_tensor("blk.0.ffn_down.weight", np.zeros((256, 512), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    bad.write_bytes(bad.read_bytes()[:-4096])  # a copy cut short
+    with pytest.raises(CorruptFileError, match=f"--converted GGUF {re.escape(str(bad))} is truncated: tensor blk.0"):
+        export(ExportConfig(model=d, assignment=asg, output_dir=tmp_path / "out", output_name="x.gguf", converted=bad))
+
+
 def test_corrupt_journal_names_the_file(gate_model_dir, tmp_path):
     out = tmp_path / "out"
     out.mkdir()

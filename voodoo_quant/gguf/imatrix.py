@@ -257,7 +257,7 @@ def load(path: str | Path) -> Imatrix:
 
 
 def _parse_gguf(raw: bytes) -> Imatrix:
-    kv, infos, data0 = read_header(raw)
+    kv, infos, data0 = read_header(raw, len(raw))
     sums: dict[str, np.ndarray] = {}
     counts: dict[str, np.ndarray] = {}
     for name, ne, gtype, off in infos:

@@ -13,13 +13,12 @@ ftype without an imatrix.
 
 from __future__ import annotations
 
-import struct
 from pathlib import Path
 from typing import Any, Sequence
 
 from ..core import qtypes as qt
 from ..core.errors import CorruptFileError
-from .header import read_header
+from .header import read_file
 from .recipes import ModelParams, RecipeError, RecipeTensor, recipe
 
 def _first(v: Any) -> int:
@@ -27,34 +26,35 @@ def _first(v: Any) -> int:
 
 
 def gguf_inputs(path: str | Path) -> tuple[list[RecipeTensor], ModelParams]:
-    """The tensor list and hyper-parameters of a GGUF model file, read from its header only."""
+    """The tensor list and hyper-parameters of a GGUF model file, read from its header only
+    (checked by :func:`~voodoo_quant.gguf.header.read_file`: what gguf.cpp refuses, or tensor data
+    past the end of the file, is a :class:`CorruptFileError` naming the file)."""
     path = Path(path)
-    size, n = path.stat().st_size, 1 << 23
-    while True:
-        with open(path, "rb") as f:
-            head = f.read(min(n, size))
-        try:
-            kv, infos, _ = read_header(head)
-            break
-        except (struct.error, ValueError, UnicodeDecodeError) as e:
-            if len(head) >= size:
-                raise CorruptFileError(f"{path}: not a readable GGUF header ({e})") from None
-            n *= 4
+    kv, infos, _ = read_file(path, "GGUF file")  # every refusal a CorruptFileError naming the file
     arch = kv.get("general.architecture")
     if not isinstance(arch, str):
         raise CorruptFileError(f"{path}: GGUF has no general.architecture")
 
-    def key(k: str, default: Any = None) -> Any:
-        return kv.get(f"{arch}.{k}", default)
+    def num(k: str, default: Any = None) -> int:
+        """The count at key ``<arch>.<k>`` (the first of a per-layer array), refused by name when it
+        is missing (no `default`) or not a count."""
+        v = kv.get(f"{arch}.{k}", default)
+        if v is None:
+            raise CorruptFileError(f"{path}: GGUF has no {arch}.{k}")
+        try:
+            n = _first(v)
+        except (TypeError, ValueError, IndexError):
+            n = -1
+        if n < 0 or isinstance(v, (str, bytes)):
+            raise CorruptFileError(f"{path}: GGUF key {arch}.{k} is {str(v)[:80]!r}, not a count")
+        return n
 
-    if key("block_count") is None:
-        raise CorruptFileError(f"{path}: GGUF has no {arch}.block_count")
-    n_head = _first(key("attention.head_count", 0))
-    n_expert = int(key("expert_count", 0) or 0)
+    n_head = num("attention.head_count", 0)
+    n_expert = num("expert_count", 0)
     params = ModelParams(
-        arch=arch, n_layer=int(key("block_count")), n_head=n_head,
-        n_head_kv=_first(key("attention.head_count_kv", n_head)),  # optional: defaults to n_head
-        n_expert=n_expert if n_expert > 1 else 0, n_layer_nextn=int(key("nextn_predict_layers", 0) or 0),
+        arch=arch, n_layer=num("block_count"), n_head=n_head,
+        n_head_kv=num("attention.head_count_kv", n_head),  # optional: defaults to n_head
+        n_expert=n_expert if n_expert > 1 else 0, n_layer_nextn=num("nextn_predict_layers", 0),
     )
     tensors = [RecipeTensor(name, tuple(int(d) for d in ne), qt.by_id(gtype).name) for name, ne, gtype, _ in infos]
     return tensors, params

@@ -32,7 +32,7 @@ from ..candidates.compensate import applies, quantize_compensated
 from ..core import faults, fileio, ggml
 from ..core import qtypes as qt
 from ..core.errors import ConfigError, CorruptFileError, QuantizationInputError
-from ..gguf import converter
+from ..gguf import converter, header
 from ..gguf.layout import checkpoint_tensors, find_layout, ggml_n_dims, llama_quantize_allows, model_layouts
 from ..selection.assignment import Assignment
 from ..selection.budget import BASE_TYPE, base_type_for
@@ -276,6 +276,8 @@ def export(cfg: ExportConfig) -> ExportResult:
     if cfg.converted is not None and asg.weights_sha256 is None:  # (refused above unless allowed)
         provenance.refuse_or_warn(f"{source} records no weights hash: --converted {cfg.converted} is used unchecked",
                                   cfg.allow_mismatch)
+    if cfg.converted is not None:  # a user's file: checked before gguf-py maps it (its errors name no file)
+        header.read_file(cfg.converted, "--converted GGUF")
     out_path = cfg.output_dir / cfg.file_name()
     if out_path.exists() and not cfg.overwrite:
         raise fileio.OutputExistsError(f"{out_path} exists; pass --overwrite to replace it")
@@ -403,7 +405,8 @@ def export(cfg: ExportConfig) -> ExportResult:
         f32_keep = None
         if cfg.keep_f32:
             f32_keep = out_path.with_name(out_path.stem + ".f32.gguf")
-            shutil.move(str(f32_path), f32_keep)
+            # atomic: the temp dir may lie on another file system, where a move is a copy
+            fileio.write_with(f32_keep, lambda tmp: shutil.move(str(f32_path), tmp))
         del reader
 
     ttf = out_path.with_name(out_path.stem + ".tensor-types.txt")

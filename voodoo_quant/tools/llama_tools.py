@@ -6,6 +6,7 @@ failing one raises ToolFailedError carrying the tool's last meaningful stderr li
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 from dataclasses import dataclass
@@ -13,9 +14,8 @@ from pathlib import Path
 from typing import Sequence
 
 from ..core import paths
-from ..core import qtypes as qt
-from ..core.errors import CorruptFileError, ToolFailedError, VoodooError
-from ..gguf.header import GGUF_MAGIC, MALFORMED, read_header
+from ..core.errors import CorruptFileError, ToolFailedError
+from ..gguf.header import read_file, tensor_nbytes
 
 
 @dataclass(frozen=True)
@@ -78,36 +78,8 @@ def check_gguf(path: str | Path, what: str = "GGUF file") -> None:
 
 def _tensors(path: Path, what: str) -> list[tuple[str, int, int, int]]:
     """(name, weights, data bytes, data offset) of every tensor of a GGUF, checked as
-    :func:`check_gguf` says."""
-    import math
-
-    path = Path(path)
-    try:
-        size = path.stat().st_size
-    except FileNotFoundError:
-        raise CorruptFileError(f"{what} {path} does not exist") from None
-    n = min(size, 1 << 20)
-    while True:
-        with open(path, "rb") as f:
-            raw = f.read(n)
-        if raw[:4] != GGUF_MAGIC:
-            raise CorruptFileError(f"{what} {path} is not a GGUF file (no GGUF magic)")
-        try:
-            _, infos, data0 = read_header(raw)
-            out = [(name, math.prod(ne), qt.tensor_bytes(qt.by_id(gtype), tuple(reversed(ne)) or (1,)), data0 + off)
-                   for name, ne, gtype, off in infos]
-            break
-        except MALFORMED as e:
-            if n >= size:
-                first = (str(e).strip().splitlines() or [""])[0]
-                raise CorruptFileError(f"{what} {path} is truncated or malformed: {type(e).__name__}: {first}") from None
-            n = min(size, n * 8)  # the header did not fit: read more
-        except VoodooError as e:  # unsupported version, unknown tensor type
-            raise CorruptFileError(f"{what} {path}: {e}") from None
+    :func:`check_gguf` says (``gguf.header.read_file``)."""
+    _, infos, data0 = read_file(path, what)
     if not infos:
         raise CorruptFileError(f"{what} {path} holds no tensors")
-    for name, _, nbytes, start in out:
-        if start + nbytes > size:
-            raise CorruptFileError(f"{what} {path} is truncated: tensor {name} ends at byte {start + nbytes:,}, "
-                                   f"the file has {size:,}")
-    return out
+    return [(name, math.prod(ne), tensor_nbytes(ne, gtype), data0 + off) for name, ne, gtype, off in infos]

@@ -27,7 +27,7 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from ..candidates.compensate import compensations
+from ..candidates.compensate import applies, compensations
 from ..candidates.hessian_store import load_hessians
 from ..core import ggml
 from ..core.errors import ConfigError
@@ -180,25 +180,47 @@ def resolve_imatrix(asg, given: Any, *, allow: bool):
     return loaded
 
 
+def compensated_tensors(asg) -> list[str]:
+    """HF names of the assignment's tensors whose bytes are error-compensated, so that export needs
+    the Hessians file for them: those it records as compensated, and in an assignment that predates
+    the per-tensor record (``compensated`` None) every quantized one of a compensated run. A tensor
+    recorded plain (a guarantee reference's off-menu type) or a float type never is."""
+    if not asg.compensation:
+        return []
+    return sorted(t.name for t in asg.tensors.values() if t.compensated is not False and applies(t.qtype))
+
+
 def resolve_compensation(asg, *, allow: bool) -> dict:
     """HF tensor name → the :class:`~voodoo_quant.candidates.compensate.Compensation` its candidates were
     quantized with (``--error_compensation``), from the Hessians file the assignment records,
-    checked by its sha256; {} when training used none. A missing file is refused even with the
+    checked by its sha256; {} when training used none, or when none of the tensors it selects is
+    compensated (:func:`compensated_tensors`: the file is then neither read nor needed). A missing
+    file, or one without the Hessian of a tensor recorded as compensated, is refused even with the
     override: without it the trained bytes cannot be written."""
     rec = asg.compensation
-    if not rec:
+    need = compensated_tensors(asg)
+    if not need:
+        if rec:
+            log.info("no selected tensor is error-compensated: the Hessians file %s is not read", rec.get("hessians"))
         return {}
     p = Path(str(rec.get("hessians", "")))
     if not p.is_file():
         raise ProvenanceMismatchError(
             f"Hessians missing: the assignment was trained with --error_compensation {rec.get('method')} from {p}, "
-            "which no longer exists; its candidates cannot be reproduced without it")
+            f"which no longer exists; the candidates of its {len(need)} compensated tensor(s) (e.g. {need[0]}) "
+            "cannot be reproduced without it")
     got = sha256_file(p)
     if got != rec.get("sha256"):
         refuse_or_warn(f"Hessians mismatch: the assignment was trained with {p} (sha256 {rec.get('sha256')}), "
                        f"the file now has sha256 {got}", allow)
     # an assignment recorded before the sweep was a choice was made with "requant"
-    return compensations(load_hessians(p), float(rec["damp"]), str(rec.get("sweep", "requant")))
+    comps = compensations(load_hessians(p), float(rec["damp"]), str(rec.get("sweep", "requant")))
+    lacking = sorted(t.name for t in asg.tensors.values() if t.compensated and t.name not in comps)
+    if lacking:
+        raise ProvenanceMismatchError(
+            f"Hessians incomplete: the assignment records {len(lacking)} tensor(s) as compensated that {p} holds "
+            f"no Hessian for (e.g. {lacking[0]}); their candidates cannot be reproduced without it")
+    return comps
 
 
 def check_fixed(asg, fixed: Mapping[str, str], *, allow: bool) -> None:

@@ -80,15 +80,24 @@ def load_imatrix(cfg: TrainConfig):
 
 
 def imatrix_vectors(imx, plans_or_layouts) -> dict[str, np.ndarray]:
-    """GGUF name -> the quantizer's vector, for every planned tensor the imatrix covers."""
+    """GGUF name -> the quantizer's vector, for every planned tensor the imatrix covers. An imatrix
+    that covers none of them is another model's (or another naming's): refused, where the run
+    would otherwise quantize every candidate without it while recording that it used it."""
     if imx is None:
         return {}
-    out = {}
+    out, names = {}, []
     for p in plans_or_layouts:
         if p.gguf_name is not None:
+            names.append(p.gguf_name)
             v = imx.get_vector(p.gguf_name, p.n_per_row)
             if v is not None:
                 out[p.gguf_name] = v
+    if names and not out:
+        src = getattr(imx, "source", None)
+        raise im.ImatrixMismatchError(
+            f"imatrix{f' {src}' if src else ''} covers none of the model's {len(names)} selectable tensors "
+            f"(e.g. {sorted(names)[0]}; its entries are like {min(imx.entries, default='none')}): "
+            "it was made for another model")
     return out
 
 
