@@ -190,8 +190,7 @@ class Compensation:
             if self.sweep == "proxy":
                 from . import proxy_rounding as pr
 
-                algo += (f"|{pr.VERSION}={','.join(sorted(pr.TYPES))}:k{pr.K_TRIALS}:{pr.REFIT_MIN}"
-                         f":g{pr.GRID_TRIALS}:{pr.GRID_MODE}:{pr.LATER}")
+                algo += f"|{pr.settings()}"
             elif (self.sweep == "packed" or PACKED) and PACK_WEIGHTS != "probe":
                 algo += f"|weights={PACK_WEIGHTS}"
             if self.sweep != "requant" and (PACKED or GRID_STEPS is not None or GRID_HOLD or GRID_PASSES):
@@ -397,7 +396,7 @@ def _sweep_fixed(m: np.ndarray, q: qt.QType, imatrix, M, dead, lib, B: int,
     if proxy and (B == STEP) != (q.name == "Q8_0") or proxy and B > STEP and not (fixed or grid):
         raise QuantizationInputError(f"the proxy sweep has no superblock walk for {q.name}")
     vt = proxy_rounding.as_vector(vec, W0.device) if proxy else None
-    held = proxy and grid and proxy_rounding.GRID_MODE == "held"  # W' holds values libggml gives back
+    held = proxy and grid and proxy_rounding.holds(q)  # W' holds values libggml gives back
     hold = hold or held
     rec = None
     if record is not None:
@@ -427,8 +426,7 @@ def _sweep_fixed(m: np.ndarray, q: qt.QType, imatrix, M, dead, lib, B: int,
                     Qs = scales.round(W[:, c0:c1], c0 - b0, c1 - b0)
                 elif proxy:
                     if c0 == b0:
-                        kind = proxy_rounding.HeldGridProxy if held else proxy_rounding.GridProxy
-                        ruler = kind(W[:, b0:b0 + B], q, None if vt is None else vt[g0 + b0:g0 + b0 + B])
+                        ruler = proxy_rounding.grid_proxy(W[:, b0:b0 + B], q, None if vt is None else vt[g0 + b0:g0 + b0 + B])
                     Qs = ruler.round(c0 - b0, W[:, b0:b0 + B])
                 elif scales is not None and (fixed or (c0 - b0) // step not in steps):
                     Qs = scales.round(W[:, c0:c1], c0 - b0, c1 - b0)
