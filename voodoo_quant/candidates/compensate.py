@@ -51,9 +51,11 @@ is the sweep (:attr:`Compensation.sweep`):
   walk makes no libggml-base call for it (proxy_rounding.py): Q8_0 by its reference rounding
   (the quantizer's values to the bit), Q4_K/Q5_K at 6-bit scales and mins fitted in torch when the
   walk reaches the superblock (W' holds the rounded values), IQ2_XXS by a nearest-grid-entry
-  search at a few trial scales with its scale coded against the superblock's ruler (W' keeps the
-  updated weights). The other types are walked as ``"ruled"`` walks them. Measured with
-  ``bench/compensation_objective.py --sweeps ruled,packed,proxy``.
+  search at a few trial scales with its scale coded against a ruler fixed when the walk reaches the
+  superblock, IQ3_S, IQ2_S, IQ1_S, IQ3_XXS and IQ2_XS so with W' holding each value's level at the
+  coded scale (proxy_grids.py): W' holds values libggml-base gives back. The other types are
+  walked as ``"ruled"`` walks them. Measured with ``bench/compensation_objective.py --sweeps
+  ruled,packed,proxy`` and ``bench/proxy_synthetic.py``.
 - ``"requant"`` (the walk of assignments made before the sweep was a choice): the superblock is
   quantized again after each of its sub-blocks, float64; except for the types of
   :data:`WHOLE_SUPERBLOCK`, whose superblock is one step (their sub-block scales are coded against
@@ -371,7 +373,7 @@ def _sweep_fixed(m: np.ndarray, q: qt.QType, imatrix, M, dead, lib, B: int,
     :data:`proxy_rounding.TYPES` are rounded by proxy_rounding.py instead of libggml-base: a
     32-block by :func:`proxy_rounding.round_q8_0`, a K-quant superblock's steps at the scales of
     :class:`proxy_rounding.KQuantScales` (held, as "fixed" holds libggml's), a grid superblock's
-    by :class:`proxy_rounding.GridProxy` (not held)."""
+    by :func:`proxy_rounding.grid_proxy`'s (held where :func:`proxy_rounding.holds`)."""
     import torch
 
     from . import fixed_rounding  # lazy: it imports torch, which building plain candidates never needs

@@ -31,9 +31,9 @@ type (:data:`TYPES`):
   superblock as it stands, W' keeping the updated weights (measured worse: its search is not
   libggml-base's neighbour-list search, docs/lab/2026-12-07-grid-search-in-torch.md, so the
   error passed on is not the file's; docs/lab/2026-12-07-proxy-sweep.md).
-- **IQ3_S, IQ2_S, IQ1_S** (:class:`proxy_grids.HeldLevelProxy`, the types of :data:`LEVELS`): as
-  IQ2_XXS, but W' holds each value's level times the coded scale over stage 2's fudge factor, an
-  exact fit for libggml-base's search whatever its weights (proxy_grids.py).
+- **IQ3_S, IQ2_S, IQ1_S, IQ3_XXS, IQ2_XS** (:class:`proxy_grids.HeldLevelProxy`, the types of
+  :data:`LEVELS`): as IQ2_XXS, but W' holds each value's level times the coded scale over stage 2's
+  fudge factor, an exact fit for libggml-base's search whatever its weights (proxy_grids.py).
 
 The module is torch only and follows its inputs' device.
 """
@@ -53,7 +53,7 @@ GRIDS = frozenset({"IQ2_XXS"})
 # the grid types rounded by proxy_grids.HeldLevelProxy (of proxy_grids.SPECS): those measured to
 # leave no more output error than the ruled walk (docs/lab/2026-12-07-proxy-grid-types.md); the
 # others of SPECS are walked as "ruled" walks them
-LEVELS = frozenset({"IQ3_S", "IQ2_S", "IQ1_S"})
+LEVELS = frozenset({"IQ3_S", "IQ2_S", "IQ1_S", "IQ3_XXS", "IQ2_XS"})
 TYPES = frozenset({"Q8_0", *KQUANTS, *GRIDS, *LEVELS})
 VERSION = "proxy/2"  # part of the sweep's cache digest: a changed rounding never reads old candidates
 # the K-quant fit's trial inverse scales: (nmax + r) / (max − min) for these r (make_qkx3_quants
