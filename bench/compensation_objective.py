@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from voodoo_quant.candidates import compensate, compensation_walk, grid_probe  # noqa: E402
+from voodoo_quant.candidates import compensate, compensation_walk, grid_probe, proxy_grids  # noqa: E402
 from voodoo_quant.core import ggml  # noqa: E402
 from voodoo_quant.selection.menus import DEFAULT_CANDIDATES  # noqa: E402
 
@@ -226,7 +226,9 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     tok = AutoTokenizer.from_pretrained(a.hf)
-    model = AutoModelForCausalLM.from_pretrained(a.hf, dtype=torch.float32).eval()
+    # only the decoder layers up to the deepest asked for: collect() stops there, so the rest would
+    # be loaded for nothing (Qwen2.5-1.5B's layer 1: ~1.2 GB instead of 7.1 GB in float32)
+    model = AutoModelForCausalLM.from_pretrained(a.hf, dtype=torch.float32, num_hidden_layers=max(layers) + 1).eval()
     tokens = calibration_tokens(tok, a.calib, a.sequences, a.seq_len)
     print(f"# model loaded; {tokens.numel()} calibration tokens; collecting the Hessians of layers {layers}", flush=True)
     stats = collect(model, layers, tokens, a.batch)
@@ -239,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     lib = ggml.lib()
     for q in types:  # the first call of a grid IQ type builds its tables: not part of any candidate's time
         lib.quantize(np.zeros((1, 256), dtype=np.float32) + 0.01, q, np.ones(256, dtype=np.float32), workers=1)
+        if q in proxy_grids.SPECS:  # so does the proxy's first superblock (its lattice: ~0.5 s for IQ1_S)
+            b = torch.linspace(-1, 1, 256).reshape(1, 256)
+            proxy_grids.HeldLevelProxy(b, q, torch.ones(256)).round(0, b)
     # every sweep's factor of a layer input kept while its tensors are built (the product builds a
     # tensor's types with one sweep, so one factor at a time would be kept there)
     compensate.FACTOR_CACHE_BYTES = 4 << 30

@@ -53,9 +53,11 @@ superblock. How the step's rounding Q is obtained is the sweep (:attr:`Compensat
   so the walk makes no libggml-base call for it (proxy_rounding.py): Q8_0 by its reference rounding
   (the quantizer's values to the bit), Q4_K/Q5_K at 6-bit scales and mins fitted in torch when the
   walk reaches the superblock (W' holds the rounded values), IQ2_XXS by a nearest-grid-entry
-  search at a few trial scales with its scale coded against the superblock's ruler (W' keeps the
-  updated weights). The other types are walked as ``"ruled"`` walks them. Measured with
-  ``bench/compensation_objective.py --sweeps ruled,packed,proxy``.
+  search at a few trial scales with its scale coded against a ruler fixed when the walk reaches the
+  superblock, IQ3_S, IQ2_S, IQ1_S, IQ3_XXS and IQ2_XS so with W' holding each value's level at the
+  coded scale (proxy_grids.py): W' holds values libggml-base gives back. The other types are
+  walked as ``"ruled"`` walks them. Measured with ``bench/compensation_objective.py --sweeps
+  ruled,packed,proxy`` and ``bench/proxy_synthetic.py``.
 - ``"requant"`` (the walk of assignments made before the sweep was a choice): the superblock is
   quantized again after each of its sub-blocks, float64; except for the types of
   :data:`WHOLE_SUPERBLOCK`, whose superblock is one step (their sub-block scales are coded against
@@ -154,8 +156,7 @@ class Compensation:
             if self.sweep == "proxy":
                 from . import proxy_rounding as pr
 
-                algo += (f"|{pr.VERSION}={','.join(sorted(pr.TYPES))}:k{pr.K_TRIALS}:{pr.REFIT_MIN}"
-                         f":g{pr.GRID_TRIALS}:{pr.GRID_MODE}:{pr.LATER}")
+                algo += f"|{pr.settings()}"
             elif (self.sweep == "packed" or walk.PACKED) and walk.PACK_WEIGHTS != "probe":
                 algo += f"|weights={walk.PACK_WEIGHTS}"
             if self.sweep != "requant" and (walk.PACKED or walk.GRID_STEPS is not None or walk.GRID_HOLD

@@ -96,7 +96,7 @@ def sweep_fixed(m: np.ndarray, q: qt.QType, imatrix, M, dead, lib, B: int,
     :data:`proxy_rounding.TYPES` are rounded by proxy_rounding.py instead of libggml-base: a
     32-block by :func:`proxy_rounding.round_q8_0`, a K-quant superblock's steps at the scales of
     :class:`proxy_rounding.KQuantScales` (held, as "fixed" holds libggml's), a grid superblock's
-    by :class:`proxy_rounding.GridProxy` (not held)."""
+    by :func:`proxy_rounding.grid_proxy`'s (held where :func:`proxy_rounding.holds`)."""
     import torch
 
     from . import fixed_rounding  # lazy: it imports torch, which building plain candidates never needs
@@ -121,7 +121,7 @@ def sweep_fixed(m: np.ndarray, q: qt.QType, imatrix, M, dead, lib, B: int,
     if proxy and (B == STEP) != (q.name == "Q8_0") or proxy and B > STEP and not (fixed or grid):
         raise QuantizationInputError(f"the proxy sweep has no superblock walk for {q.name}")
     vt = proxy_rounding.as_vector(vec, W0.device) if proxy else None
-    held = proxy and grid and proxy_rounding.GRID_MODE == "held"  # W' holds values libggml gives back
+    held = proxy and grid and proxy_rounding.holds(q)  # W' holds values libggml gives back
     hold = hold or held
     rec = None
     if record is not None:
@@ -151,8 +151,7 @@ def sweep_fixed(m: np.ndarray, q: qt.QType, imatrix, M, dead, lib, B: int,
                     Qs = scales.round(W[:, c0:c1], c0 - b0, c1 - b0)
                 elif proxy:
                     if c0 == b0:
-                        kind = proxy_rounding.HeldGridProxy if held else proxy_rounding.GridProxy
-                        ruler = kind(W[:, b0:b0 + B], q, None if vt is None else vt[g0 + b0:g0 + b0 + B])
+                        ruler = proxy_rounding.grid_proxy(W[:, b0:b0 + B], q, None if vt is None else vt[g0 + b0:g0 + b0 + B])
                     Qs = ruler.round(c0 - b0, W[:, b0:b0 + B])
                 elif scales is not None and (fixed or (c0 - b0) // step not in steps):
                     Qs = scales.round(W[:, c0:c1], c0 - b0, c1 - b0)

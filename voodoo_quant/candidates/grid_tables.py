@@ -37,6 +37,7 @@ _LATTICES = {
     "IQ2_S": ("iq2s_grid", 3, 8, 1),
     "IQ1_S": ("iq1s_grid", 3, 8, 3),
     "IQ3_S": ("iq3s_grid", 8, 4, 3),
+    "IQ3_XXS": ("iq3xxs_grid", 8, 4, 2),  # the held-level proxy's (proxy_grids.py): kmap only
 }
 
 
@@ -103,6 +104,8 @@ def _grid_levels(name: str) -> np.ndarray:
         return g + 1  # grid values −1, 0, 1 (the search's x_p/x_m index 0, 1, 2)
     if name == "IQ3_S":
         return (g - 1) // 2  # grid values 2l + 1
+    if name == "IQ3_XXS":
+        return np.searchsorted(np.array([4, 12, 20, 28, 36, 44, 52, 62]), g)  # the dequantizer's 4·(2l + 1), 62 for 15
     return np.searchsorted(np.array([8, 25, 43]), g)  # IQ2: the dequantizer stores 8, 25, 43 for 2l + 1
 
 

@@ -31,6 +31,9 @@ type (:data:`TYPES`):
   superblock as it stands, W' keeping the updated weights (measured worse: its search is not
   libggml-base's neighbour-list search, docs/lab/2026-12-07-grid-search-in-torch.md, so the
   error passed on is not the file's; docs/lab/2026-12-07-proxy-sweep.md).
+- **IQ3_S, IQ2_S, IQ1_S, IQ3_XXS, IQ2_XS** (:class:`proxy_grids.HeldLevelProxy`, the types of
+  :data:`LEVELS`): as IQ2_XXS, but W' holds each value's level times the coded scale over stage 2's
+  fudge factor, an exact fit for libggml-base's search whatever its weights (proxy_grids.py).
 
 The module is torch only and follows its inputs' device.
 """
@@ -43,12 +46,16 @@ import torch
 from ..core import qtypes as qt
 from ..core.errors import QuantizationInputError
 from ..quants.grids import table
-from . import grid_probe
+from . import grid_probe, proxy_grids
 
 KQUANTS = {"Q4_K": 15, "Q5_K": 31}  # nmax of the codes
 GRIDS = frozenset({"IQ2_XXS"})
-TYPES = frozenset({"Q8_0", *KQUANTS, *GRIDS})
-VERSION = "proxy/1"  # part of the sweep's cache digest: a changed rounding never reads old candidates
+# the grid types rounded by proxy_grids.HeldLevelProxy (of proxy_grids.SPECS): those measured to
+# leave no more output error than the ruled walk (docs/lab/2026-12-07-proxy-grid-types.md); the
+# others of SPECS are walked as "ruled" walks them
+LEVELS = frozenset({"IQ3_S", "IQ2_S", "IQ1_S", "IQ3_XXS", "IQ2_XS"})
+TYPES = frozenset({"Q8_0", *KQUANTS, *GRIDS, *LEVELS})
+VERSION = "proxy/2"  # part of the sweep's cache digest: a changed rounding never reads old candidates
 # the K-quant fit's trial inverse scales: (nmax + r) / (max − min) for these r (make_qkx3_quants
 # tries 37 of them from −0.9 by 0.05; fewer cost less, measured in bench/compensation_objective.py)
 K_TRIALS = (-0.9, -0.5, -0.2, 0.0, 0.25, 0.5, 0.85)
@@ -74,6 +81,29 @@ REFIT_MIN = True
 
 def supports(qtype: str | qt.QType) -> bool:
     return qt.get(qtype).name in TYPES
+
+
+def settings() -> str:
+    """The proxy's settings, every one that changes what it rounds: part of the sweep's cache digest."""
+    return (f"{VERSION}={','.join(sorted(TYPES))}:k{K_TRIALS}:{REFIT_MIN}:g{GRID_TRIALS}:{GRID_MODE}:{LATER}"
+            f":{proxy_grids.settings()}")
+
+
+def holds(qtype: str | qt.QType) -> bool:
+    """Whether the walk's W' holds the proxy's values of a grid type (:func:`grid_proxy`'s ``held``)
+    rather than the updated weights."""
+    name = qt.get(qtype).name
+    return name in LEVELS or (name in GRIDS and GRID_MODE == "held")
+
+
+def grid_proxy(blk: torch.Tensor, q: str | qt.QType, v: torch.Tensor | None):
+    """The proxy of one grid superblock `blk` (rows × 256) as the walk reaches it, with imatrix
+    slice `v`: :class:`proxy_grids.HeldLevelProxy` for :data:`LEVELS`, IQ2_XXS's
+    :class:`HeldGridProxy` or :class:`GridProxy` (:data:`GRID_MODE`)."""
+    name = qt.get(q).name
+    if name in LEVELS:
+        return proxy_grids.HeldLevelProxy(blk, q, v)
+    return (HeldGridProxy if GRID_MODE == "held" else GridProxy)(blk, q, v)
 
 
 def _fp16(x: torch.Tensor) -> torch.Tensor:
