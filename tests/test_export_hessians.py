@@ -5,7 +5,8 @@ is recorded plain (a guarantee reference's off-menu type, or a float type) expor
 Hessians file, the same tensor bytes as the same assignment recorded without compensation; a
 tensor recorded compensated (or, in an assignment older than the per-tensor record, any quantized
 one) still makes a missing file, or a file without its Hessian, a one-line typed refusal before
-any conversion.
+any conversion. The file's ``voodoo.error_compensation`` key says so only of a file some of whose
+bytes are compensated.
 """
 
 from __future__ import annotations
@@ -62,6 +63,34 @@ def test_an_assignment_with_no_compensated_tensor_exports_without_the_hessians(p
     ours, theirs = header.tensor_table(out.path), header.tensor_table(ref.path)
     assert ours == theirs and len(ours) > len(asg.tensors) // 2
     assert {ours[t.gguf_name][0] for t in asg.tensors.values()} == {"Q8_0", "Q4_0"}
+
+
+def test_the_compensation_key_is_written_only_over_compensated_bytes(plain, tmp_path):
+    """An assignment of a compensated run that selects no compensated tensor exports stock
+    llama-quantize's bytes: its GGUF does not claim compensation. One compensated tensor: it does,
+    and that tensor alone holds other bytes."""
+    from voodoo_quant.candidates.hessian_store import write_hessians
+    from voodoo_quant.tools.export import ExportConfig, export
+
+    d, asg = plain
+    key = "voodoo.error_compensation"
+    none = export(ExportConfig(model=d, assignment=_compensated_run(asg, tmp_path / "gone.safetensors"),
+                               output_dir=tmp_path / "none", output_name="t.gguf", keep_f32=True))
+    kv, _, _ = header.read_file(none.path)
+    assert "voodoo.bpw" in kv and key not in kv, sorted(k for k in kv if k.startswith("voodoo."))
+
+    name = next(k for k, t in sorted(asg.tensors.items()) if t.qtype == "Q4_0" and ".layers." in k)
+    n = asg.tensors[name].shape[-1]
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(4 * n, n)) @ (rng.normal(size=(n, n)) / np.sqrt(n) + np.eye(n))  # correlated inputs
+    h = tmp_path / "hessians.safetensors"
+    write_hessians(h, {name: n}, {}, "k", [(name, (x.T @ x).astype(np.float32))])
+    one = export(ExportConfig(model=d, assignment=_compensated_run(asg, h, {name: True}), output_dir=tmp_path / "one",
+                              output_name="t.gguf", converted=none.f32_gguf))
+    assert header.read_file(one.path)[0][key] == "gptq"
+    ours, theirs = header.tensor_table(one.path), header.tensor_table(none.path)
+    g = asg.tensors[name].gguf_name
+    assert [k for k in ours if ours[k] != theirs[k]] == [g]
 
 
 @pytest.mark.parametrize("flag", [True, None])

@@ -103,20 +103,42 @@ def test_corrupt_files_are_clear_errors(tmp_path):
         imatrix.load(tmp_path / "nope.gguf")
 
 
-def test_unknown_names_missing_entries_and_wrong_lengths_are_errors():
+def test_missing_entries_and_wrong_lengths_are_errors():
     im = _synthetic()
     with pytest.raises(ImatrixMismatchError, match="512 values, tensor expects 256"):
         im.vector("blk.0.ffn_down.weight", 256)
+    with pytest.raises(ImatrixMismatchError, match="512 values, tensor expects 256"):
+        im.get_vector("blk.1.ffn_down.weight", 256)
     with pytest.raises(ImatrixMismatchError, match="no entry for tensor blk.7.ffn_down.weight"):
         im.vector("blk.7.ffn_down.weight", 512)
     assert im.get_vector("blk.7.ffn_down.weight", 512) is None  # stock: quantize without one
-    with pytest.raises(ImatrixMismatchError, match="blk.2.ffn_down.weight"):
-        im.for_model({"model.layers.0.mlp.down_proj.weight": ("blk.0.ffn_down.weight", 512),
-                      "model.layers.1.mlp.down_proj.weight": ("blk.1.ffn_down.weight", 512),
-                      "model.layers.0.self_attn.q_proj.weight": ("blk.0.attn_q.weight", 256)})
-    got = im.for_model({f"l{i}": (f"blk.{i}.ffn_down.weight", 512) for i in range(3)}
-                       | {"q": ("blk.0.attn_q.weight", 256), "emb": (None, 256)})
-    assert got["emb"] is None and got["l1"].dtype == np.float32 and got["l1"].size == 512
+    got = im.get_vector("blk.1.ffn_down.weight", 512)
+    assert got.dtype == np.float32 and got.size == 512
+
+
+def test_entries_for_tensors_the_model_lacks_are_ignored_as_llama_quantize_ignores_them(tiny_llama_hf_dir):
+    """The check that an imatrix fits the model (``setup.imatrix_vectors``, in train and precache):
+    it must cover one of the planned tensors, and every entry it gives must have the tensor's
+    length; an entry naming a tensor the model lacks is ignored, as stock llama-quantize ignores it
+    (src/llama-quant.cpp looks each tensor up), so the candidates keep stock's bytes."""
+    from voodoo_quant.gguf.layout import model_layouts
+    from voodoo_quant.training.setup import imatrix_vectors
+
+    lays = sorted((lay for lay in model_layouts(tiny_llama_hf_dir).values()
+                   if lay.quantizable and lay.gguf_name.startswith("blk.")), key=lambda lay: lay.gguf_name)
+    covered = lays[::2]
+    rng = np.random.default_rng(0)
+    other = {"blk.7.ffn_down.weight": Entry(rng.uniform(1, 9, 128), [8])}  # a layer the 2-layer model lacks
+    im = Imatrix({lay.gguf_name: Entry(rng.uniform(1, 9, lay.n_per_row), [8]) for lay in covered} | other, ["x"], 1, 8)
+    got = imatrix_vectors(im, lays)
+    assert sorted(got) == [lay.gguf_name for lay in covered]  # the others: quantized without one
+    assert all(np.array_equal(got[lay.gguf_name], im.vector(lay.gguf_name, lay.n_per_row)) for lay in covered)
+    with pytest.raises(ImatrixMismatchError, match=f"covers none of the model's {len(lays)} selectable tensors"):
+        imatrix_vectors(Imatrix(other, ["x"], 1, 8), lays)
+    short = covered[0]
+    wrong = Imatrix({short.gguf_name: Entry(np.ones(short.n_per_row + 32), [8])}, ["x"], 1, 8)
+    with pytest.raises(ImatrixMismatchError, match=f"{short.gguf_name} has {short.n_per_row + 32} values"):
+        imatrix_vectors(wrong, lays)
 
 
 def test_exact_division_rule_changes_kquant_bytes(ggml_lib):

@@ -20,7 +20,6 @@ import hashlib
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Mapping
 
 import numpy as np
 
@@ -115,23 +114,6 @@ class Imatrix:
                 + (f"; entries like it: {', '.join(near)}" if near else f"; it has {len(self.entries)} entries")
             )
         return v
-
-    def check_names(self, known: Iterable[str]) -> None:
-        """Refuse an imatrix naming tensors the model does not have (wrong model or mapping)."""
-        known = set(known)
-        unknown = [n for n in self.names() if n not in known]
-        if unknown:
-            raise ImatrixMismatchError(
-                f"imatrix{self._from()} has {len(unknown)} entr{'y' if len(unknown) == 1 else 'ies'} "
-                f"for tensors the model does not have: {', '.join(unknown[:5])}"
-                + (" ..." if len(unknown) > 5 else "")
-            )
-
-    def for_model(self, tensors: Mapping[str, tuple[str | None, int]]) -> dict[str, np.ndarray | None]:
-        """Vectors for a model's tensors: ``{hf_name: (gguf_name or None, n_per_row)}`` →
-        ``{hf_name: vector or None}``. Unknown imatrix names and wrong lengths raise."""
-        self.check_names(g for g, _ in tensors.values() if g)
-        return {hf: (self.get_vector(g, n) if g else None) for hf, (g, n) in tensors.items()}
 
     # -- hashes for the candidate cache --------------------------------------------------------
     def vector_hash(self, gguf_name: str) -> str:

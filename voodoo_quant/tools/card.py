@@ -4,7 +4,7 @@ YAML front matter (base_model, license from the source, tags), one table row per
 (size, bits per weight, PPL, mean and p99 KLD against the reference, and the same numbers of the
 nearest stock recipes below and above it in size), the stock rows, the Pareto plot, how to run
 each file in llama.cpp, what wrote each file (the method the selection kept, and whether its
-candidates were error-compensated: only an uncompensated file's bytes are stock llama-quantize's),
+bytes are error-compensated: only an uncompensated file's bytes are stock llama-quantize's),
 and how the ladder was made. Every number comes from ``eval.json``
 (written in the same run), printed with fixed precision so that a reader — or a test — can check
 the card against it.
@@ -18,6 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from ..core import fileio, ggml
+from ..core.errors import CorruptFileError
+from ..selection.assignment import Assignment
+from ..training.provenance import compensated_tensors
+from .data import META_NAME
 
 CARD_NAME = "README.md"  # the model card, in the ladder's output dir
 TAGS = ("gguf", "quantized", "llama.cpp", "imatrix", "voodoo_quant")
@@ -83,7 +87,7 @@ def render(ladder, files: dict[int, Path], result: dict[str, Any] | None) -> str
               "quantizable tensors take at uniform Q8_0), with a per-tensor llama.cpp type chosen by voodoo_quant "
               "under that size budget (which method wrote each file is under \"How each file was made\"). Every "
               "file is a stock GGUF: any llama.cpp build runs it.", ""]
-    meta = json.loads((ladder.data_dir / "meta.json").read_text())
+    meta = data_meta(ladder.data_dir / META_NAME)
     if result is not None:
         rows = result["rows"]
         ours = [r for r in rows if r["method"] == "voodoo"]
@@ -184,12 +188,42 @@ class MadeBy:
 
 def made_by(ladder, size: int) -> MadeBy:
     """The :class:`MadeBy` of the ladder's Voodoo`size` file (its run's assignment.json)."""
-    d = json.loads((ladder.work / "runs" / f"Voodoo{size}" / "assignment.json").read_text())
-    meta = d.get("meta", {})
-    g = meta.get("guarantee")
-    if g:
-        return MadeBy(g["winner"], len(g.get("candidates", [])), d.get("compensation"))
-    return MadeBy("gates" if meta.get("method", "gates") == "gates" else "knapsack", 1, d.get("compensation"))
+    return read_made_by(ladder.work / "runs" / f"Voodoo{size}" / "assignment.json")
+
+
+def read_made_by(path: Path) -> MadeBy:
+    """The :class:`MadeBy` an assignment file records, read and checked by ``Assignment.load``: a
+    damaged file is one :class:`CorruptFileError` naming it. Its compensation is the run's only
+    when some selected tensor's bytes are compensated (``provenance.compensated_tensors``), as
+    export's ``voodoo.error_compensation`` key: otherwise the file holds stock llama-quantize's bytes."""
+    asg = Assignment.load(path)
+    comp = asg.compensation if compensated_tensors(asg) else None
+    meta = asg.meta
+    try:
+        g = meta.get("guarantee")
+        if g:
+            return MadeBy(str(g["winner"]), len(g.get("candidates", [])), comp)
+        return MadeBy("gates" if meta.get("method", "gates") == "gates" else "knapsack", 1, comp)
+    except (AttributeError, KeyError, TypeError) as e:
+        raise CorruptFileError(f"{path}: malformed assignment meta ({type(e).__name__}: {e})") from None
+
+
+# the counts of the data step's meta.json the card prints
+_META_COUNTS = (("seq_len",), ("train", "documents"), ("train", "sequences"), ("eval", "documents"),
+                ("eval", "sequences"))
+
+
+def data_meta(path: Path) -> dict[str, Any]:
+    """The data step's meta.json (``tools/data.py``), with every count the card prints checked: a
+    damaged file is one :class:`CorruptFileError` naming it, not a KeyError halfway through the card."""
+    meta = fileio.read_json(path, what="data meta")
+    for keys in _META_COUNTS:
+        v: Any = meta
+        for k in keys:
+            v = v.get(k) if isinstance(v, dict) else None
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise CorruptFileError(f"data meta {path} is malformed: {'.'.join(keys)} is {v!r}, expected a count")
+    return meta
 
 
 def command_line(c) -> str:

@@ -220,7 +220,8 @@ def _ftype(counts: dict[str, int]) -> int:
 
 def _copy_kv(reader, writer, gguf) -> None:
     for f in reader.fields.values():
-        if f.name.startswith(_SKIP_KEYS) or f.name.startswith(("general.file_type", "quantize.imatrix.")):
+        # the keys export writes itself (from the assignment, not from the file it converts)
+        if f.name.startswith(_SKIP_KEYS) or f.name.startswith(("general.file_type", "quantize.imatrix.", "voodoo.")):
             continue
         vtype = f.types[0]
         sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
@@ -305,7 +306,7 @@ def export(cfg: ExportConfig) -> ExportResult:
                                      base_checkpoint=cfg.base_checkpoint, allow=cfg.allow_mismatch)
 
         # Plan every tensor first: the header (tensor infos) precedes the data.
-        plan = []  # (reader tensor, qtype or None)
+        plan = []  # (reader tensor, shape, qtype or None, bytes, the Compensation of its bytes or None)
         counts: dict[str, int] = {}
         fixed: dict[str, str] = {}
         recorded = {gguf_names[c.name]: c for c in asg.tensors.values()}
@@ -315,6 +316,7 @@ def export(cfg: ExportConfig) -> ExportResult:
             shape = tuple(reversed(ne))  # numpy order
             n = int(np.prod(shape, dtype=np.int64))
             q = selected.get(t.name)
+            comp = None
             if q is None and llama_quantize_allows(t.name, ggml_n_dims(ne)):
                 # Stock llama-quantize would quantize it; the assignment does not cover it.
                 q = fixed[t.name] = base_type_for(shape)
@@ -337,6 +339,9 @@ def export(cfg: ExportConfig) -> ExportResult:
                         f"{t.name} {list(shape)} is {nbytes:,} bytes", cfg.allow_mismatch)
                 n_sel += n
                 sel_bytes += nbytes
+                # the candidate's compensation; none where training's bytes were plain (a reference's
+                # off-menu type: guarantee.py), as the assignment records per tensor, or the type is a float
+                comp = comp_of.get(t.name) if rec.compensated is not False and applies(q) else None
             else:
                 nbytes = int(t.n_bytes)
             name_t = q or t.tensor_type.name
@@ -344,9 +349,12 @@ def export(cfg: ExportConfig) -> ExportResult:
                 counts[name_t] = counts.get(name_t, 0) + 1
             n_all += n
             all_bytes += nbytes
-            plan.append((t, shape, q, nbytes))
+            plan.append((t, shape, q, nbytes, comp))
 
         provenance.check_fixed(asg, fixed, allow=cfg.allow_mismatch)
+        # the GGUF says "error-compensated" only of a file some of whose bytes are (an assignment of a
+        # compensated run may select no compensated tensor: export then writes stock llama-quantize's bytes)
+        n_comp = sum(comp is not None for *_, comp in plan)
         file_bpw = 8.0 * all_bytes / max(1, n_all)
         bpw = 8.0 * sel_bytes / max(1, n_sel)
 
@@ -365,13 +373,13 @@ def export(cfg: ExportConfig) -> ExportResult:
                     w.add_int32("quantize.imatrix.chunks_count", int(imat.chunk_count))
             w.add_float32("voodoo.bpw", float(bpw))
             w.add_float32("voodoo.file_bpw", float(file_bpw))
-            if asg.compensation:
+            if n_comp:
                 w.add_string("voodoo.error_compensation", str(asg.compensation.get("method")))
             if cfg.size_percent is not None:
                 w.add_uint32("voodoo.size_percent", int(cfg.size_percent))
                 if cfg.size_percent in qt.BADGES:
                     w.add_string("voodoo.badge", qt.BADGES[cfg.size_percent])
-            for t, shape, q, nbytes in plan:
+            for t, shape, q, nbytes, _ in plan:
                 if q is None:
                     w.add_tensor_info(t.name, t.data.shape, t.data.dtype, nbytes, raw_dtype=t.tensor_type)
                 else:
@@ -382,7 +390,7 @@ def export(cfg: ExportConfig) -> ExportResult:
             w.write_header_to_file()
             w.write_kv_data_to_file()
             w.write_ti_data_to_file()
-            for t, shape, q, nbytes in plan:  # streamed: one tensor in memory at a time
+            for t, shape, q, nbytes, comp in plan:  # streamed: one tensor in memory at a time
                 faults.hit("export:tensor")
                 if q is None:
                     w.write_tensor_data(np.asarray(t.data))
@@ -392,9 +400,6 @@ def export(cfg: ExportConfig) -> ExportResult:
                 w2 = np.ascontiguousarray(np.asarray(t.data, dtype=np.float32).reshape(-1, shape[-1]))
                 # Q8_0 and F16 (the base type and its fallback) take no imatrix (quantize_q8_0 ignores it)
                 vec = None if imat is None or t.name in fixed or qt.get(q).is_float else imat.get_vector(t.name, shape[-1])
-                # the candidate's compensation; none where training's bytes were plain (a reference's
-                # off-menu type: guarantee.py), as the assignment records per tensor
-                comp = None if t.name in fixed or recorded[t.name].compensated is False else comp_of.get(t.name)
                 want = None if t.name in fixed else recorded[t.name].sha256
                 data = candidate_bytes(cands, w2, q, vec, comp, want, name=t.name, lib=lib, workers=cfg.workers,
                                        allow=cfg.allow_mismatch)

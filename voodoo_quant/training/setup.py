@@ -82,7 +82,10 @@ def load_imatrix(cfg: TrainConfig):
 def imatrix_vectors(imx, plans_or_layouts) -> dict[str, np.ndarray]:
     """GGUF name -> the quantizer's vector, for every planned tensor the imatrix covers. An imatrix
     that covers none of them is another model's (or another naming's): refused, where the run
-    would otherwise quantize every candidate without it while recording that it used it."""
+    would otherwise quantize every candidate without it while recording that it used it. An entry
+    for a tensor the model lacks is ignored, as stock llama-quantize ignores it (src/llama-quant.cpp
+    looks each tensor up); a planned tensor without an entry is quantized without one, as there (its
+    menu has no type that needs one: ``plan_model``)."""
     if imx is None:
         return {}
     out, names = {}, []
