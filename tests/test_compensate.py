@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -449,3 +450,16 @@ def test_mapped_hessians_leave_the_resident_set_once_read(tmp_path):
     assert np.array_equal(compensated_matrix(W, "Q4_K", None, comps["t0"]),
                           compensated_matrix(W, "Q4_K", None, Compensation(hs["t0"].copy(), 0.1)))
     assert comps["t0"].digest == Compensation(hs["t0"].copy(), 0.1).digest
+
+
+def test_a_read_only_matrix_is_walked_silently_and_left_as_it_was():
+    """The weights often come as a read-only map of the checkpoint: the walk only reads them, so
+    torch's warning about writing to a non-writable array would be noise (and a false alarm)."""
+    W, _, H, imx = _problem(seed=3)
+    ro = W.copy()
+    ro.setflags(write=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = compensated_matrix(ro, "Q5_0", imx, Compensation(H, 0.1))
+    assert ro.tobytes() == W.tobytes()
+    assert out.tobytes() == compensated_matrix(W, "Q5_0", imx, Compensation(H, 0.1)).tobytes()

@@ -15,6 +15,8 @@ themselves are libggml-base, fixed_rounding.py (a superblock's scales held fixed
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 
 from ..core import qtypes as qt
@@ -103,7 +105,9 @@ def sweep_fixed(m: np.ndarray, q: qt.QType, imatrix, M, dead, lib, B: int,
     from . import proxy_rounding
 
     rows, n = m.shape
-    W0 = torch.from_numpy(m)  # read only: the weights as given
+    with warnings.catch_warnings():  # `m` may be a read-only map of the weights: W0 is only ever read
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        W0 = torch.from_numpy(m)
     out = torch.zeros(rows, n, dtype=torch.float32)  # C for the groups not yet walked, W' for the others
     live = torch.from_numpy(~dead).to(torch.float32)
     vec = None if imatrix is None else np.ascontiguousarray(imatrix, dtype=np.float32)
