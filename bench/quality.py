@@ -60,6 +60,7 @@ from quality_plan import (BENCH_NAME, DEFAULT_METHODS, FLOOR, METHODS, SHARED_ST
                           BenchConfig, Item, plan)
 
 from voodoo_quant.candidates.compensate import DEFAULT_SWEEP  # noqa: E402
+from voodoo_quant.core import fileio  # noqa: E402
 from voodoo_quant.core.errors import VoodooError  # noqa: E402
 from voodoo_quant.tools.manifest import digest  # noqa: E402
 
@@ -298,10 +299,8 @@ class Bench:
         """What made a trained file: the selection's winner and the error compensation."""
         if not item.trained:
             return {}
-        import json
-
-        d = json.loads((ladder.work / "runs" / ladder.run_name(item.size, item.variant(self.cfg.train_extra))
-                        / "assignment.json").read_text())
+        d = fileio.read_json(ladder.work / "runs" / ladder.run_name(item.size, item.variant(self.cfg.train_extra))
+                             / "assignment.json", what="run assignment")
         g = d.get("meta", {}).get("guarantee")
         comp = d.get("compensation")
         return {"made_by": g["winner"] if g else d.get("meta", {}).get("method", "gates"),

@@ -266,6 +266,24 @@ def test_plan_order_and_command_line(tmp_path):
         q.parse(["run", "--model", str(tiny_llama_hf_dir), "--methods", "gates"])
 
 
+def test_a_damaged_run_assignment_is_one_typed_error_naming_it(tmp_path, tiny_llama_hf_dir):
+    """What made a trained row is read from its run's assignment: a truncated file is the
+    product's CorruptFileError naming the file, not a JSONDecodeError halfway through a session."""
+    from types import SimpleNamespace
+
+    from voodoo_quant.core.errors import CorruptFileError
+
+    q = _bench("quality")
+    bench = q.Bench(_cfg(q, tiny_llama_hf_dir, tmp_path, tmp_path / "r.jsonl"), "cmd", log=lambda s: None)
+    run = tmp_path / "runs" / "Voodoo60"
+    run.mkdir(parents=True)
+    (run / "assignment.json").write_text('{"tensors": {')
+    ladder = SimpleNamespace(work=tmp_path, run_name=lambda size, variant: f"Voodoo{size}")
+    with pytest.raises(CorruptFileError, match="assignment.json"):
+        bench.facts(ladder, q.Item("knapsack-gptq-packed", size=60))
+    assert bench.facts(ladder, q.Item("stock", recipe="Q4_0")) == {}  # nothing trained, nothing read
+
+
 # -- the driver end to end on the tiny model -----------------------------------------------------
 
 def _cfg(q, model, tmp, results, **kw):
