@@ -20,8 +20,10 @@ defaults) and the stock recipe of its badge; the other stock recipes; the compen
 plain Fisher knapsack (``--method sensitivity``, ``--error_compensation gptq`` / ``none``) per
 size (and, when ``--methods`` names it, ``knapsack-gptq-packed``: compensated with
 ``--compensation_sweep packed``), in the order ``--methods`` gives; the uniform files (``llama-quantize --pure``); at ``--fair_sizes`` the written file's other
-seeds and step counts. ``report`` renders the tables and the plot from the JSON lines alone
-(``quality_report.py``).
+seeds, then each knapsack of ``--methods`` at those seeds (``voodoo train --seed`` also picks the
+sequences of its Fisher pass; in the order ``--methods`` gives; a knapsack at the default seed is
+the file above, named and keyed with no seed), then the written file's other step counts.
+``report`` renders the tables and the plot from the JSON lines alone (``quality_report.py``).
 
 A peer: ``bench/autoround.py run`` (``make bench-peer``; ``make bench-peer-deps`` installs the
 ``peer`` extra) adds AutoRound's GGUF files, its optimized RTN at ``gguf:q4_k_m gguf:q3_k_m
@@ -340,7 +342,8 @@ def parse(argv: list[str]) -> tuple[str, Any]:
     lists = {"sizes": ("percent of uniform Q8_0; min: the smallest reachable", str),
              "methods": (f"of {' '.join(METHODS)}", str), "stock": ("llama-quantize ftypes (Q8_0 always)", str),
              "uniform": ("llama-quantize --pure ftypes", str), "steps": ("gate steps: the first everywhere", int),
-             "seeds": ("seeds: the first everywhere", int), "fair_sizes": ("sizes of the other steps and seeds", int),
+             "seeds": ("seeds: the first everywhere, the others at --fair_sizes (the knapsacks' too)", int),
+             "fair_sizes": ("sizes of the other steps and seeds", int),
              "calib": ("calibration domains: plays python", str), "menu": ("--candidate_types (default: the product's)", str)}
     for k, (h, typ) in lists.items():
         default = d[k].default

@@ -1,6 +1,7 @@
 """Two variants of one benchmark, paired chunk by chunk: the same files (method and size, or stock
-and uniform recipe) measured on the same eval text in two results files of ``bench/quality.py``
-(one run each, e.g. with and without a ``--train_args`` setting, each under its own ``--name``).
+and uniform recipe; a trained file's step count and seed: a seed-1 file pairs with a seed-1 file)
+measured on the same eval text in two results files of ``bench/quality.py`` (one run each, e.g.
+with and without a ``--train_args`` setting, each under its own ``--name``).
 
 Printed as Markdown, per calibration, eval text and file: the mean KLD of each (± its standard
 error over chunks), B − A paired over the chunks both scored (± its standard error), and the two
@@ -27,7 +28,8 @@ import quality_rows as store  # noqa: E402
 
 
 def key(r: dict) -> tuple:
-    """What a file is, apart from the variant: its calibration, eval text, method and size/recipe."""
+    """What a file is, apart from the variant: its calibration, eval text, method, size/recipe, and
+    a trained file's step count and seed (a knapsack at the default seed has none: None)."""
     what = r.get("recipe") if r["method"] in ("stock", "uniform") else r.get("size")
     return r.get("calib"), r.get("text"), r["method"], what, r.get("steps"), r.get("seed")
 

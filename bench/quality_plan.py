@@ -1,5 +1,11 @@
 """What the quality benchmark makes: its settings (:class:`BenchConfig`), one file to make
-(:class:`Item`) and the work order (:func:`plan`; ``quality.py``'s docstring says it in words)."""
+(:class:`Item`) and the work order (:func:`plan`; ``quality.py``'s docstring says it in words).
+
+The seeds (``--seeds``): the first everywhere, the others at ``--fair_sizes``, for the written file
+and for every knapsack of ``--methods`` alike (``voodoo train --seed`` also picks the sequences of
+the knapsack's Fisher pass, so its file has a seed spread too). A knapsack made at the product's
+default seed carries no seed (``Item.seed`` None): its label, run folder and row identity are those
+it had before knapsacks took seeds; at another seed they carry ``-seed<N>`` and the seed."""
 
 from __future__ import annotations
 
@@ -12,7 +18,7 @@ import quality_texts as texts_mod
 
 from voodoo_quant.core import envs
 from voodoo_quant.tools.variant import Variant
-from voodoo_quant.training.config import STOCK_REFERENCES
+from voodoo_quant.training.config import STOCK_REFERENCES, TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,6 +37,8 @@ LEGACY_KEYS = {"knapsack-gptq-ruled": "knapsack-gptq"}
 UNIFORM = ("IQ2_S", "IQ3_S", "Q3_K_S", "IQ4_XS", "Q4_K_S", "Q5_K_S", "Q6_K")
 SIZES = ("min", 25, 30, 35, 40, 45, 55, 65, 75, 85, 95)
 SHARED_STEPS = ("data", "make-teacher", "reference", "imatrix", "candidate-cache")
+# the seed a knapsack Item without one is made at (voodoo train --seed's default)
+DEFAULT_SEED = TrainConfig.__dataclass_fields__["seed"].default
 
 
 @dataclass
@@ -45,7 +53,7 @@ class BenchConfig:
     stock: tuple[str, ...] = STOCK_REFERENCES  # IQ1_S .. Q8_0
     uniform: tuple[str, ...] = UNIFORM
     steps: tuple[int, ...] = (50, 10, 100)  # the first everywhere, the others at --fair_sizes
-    seeds: tuple[int, ...] = (0, 1, 2)  # the first everywhere, the others at --fair_sizes
+    seeds: tuple[int, ...] = (0, 1, 2)  # the first everywhere, the others at --fair_sizes (the knapsacks' too)
     fair_sizes: tuple[int, ...] = (25, 30, 35, 45)
     calib: tuple[str, ...] = texts_mod.DOMAINS
     plays_dir: Path | None = None
@@ -97,7 +105,8 @@ class BenchConfig:
 
 @dataclass(frozen=True)
 class Item:
-    """One file to make: a stock or uniform recipe, or a method at a size."""
+    """One file to make: a stock or uniform recipe, or a method at a size (the written file at a
+    step count and seed; a knapsack at the default seed, ``seed`` None, or at another)."""
 
     method: str  # stock | uniform | voodoo | knapsack | knapsack-gptq-<walk> (METHODS)
     recipe: str | None = None
@@ -111,7 +120,9 @@ class Item:
 
     @property
     def variant_name(self) -> str:
-        return f"s{self.steps}-seed{self.seed}" if self.method == "voodoo" else self.method
+        if self.method == "voodoo":
+            return f"s{self.steps}-seed{self.seed}"
+        return self.method if self.seed is None else f"{self.method}-seed{self.seed}"
 
     @property
     def label(self) -> str:
@@ -122,9 +133,13 @@ class Item:
                "knapsack": {"method": "sensitivity", "error_compensation": "none"},
                **{f"knapsack-gptq-{w}": {"method": "sensitivity", "error_compensation": "gptq", "compensation_sweep": w}
                   for w in WALKS}}[self.method]
+        if self.seed is not None:  # a knapsack's seed: the sequences of its Fisher pass
+            own = {**own, "seed": self.seed}
         return Variant(self.variant_name, {**extra, **own})
 
     def key(self) -> dict[str, Any]:
+        """The file's identity in a row (its digest's "file"): the fields set, so a knapsack at the
+        default seed (None) keeps the identity of the rows made before knapsacks took seeds."""
         d = {k: v for k, v in asdict(self).items() if v is not None}
         return {**d, "method": LEGACY_KEYS.get(self.method, self.method)}
 
@@ -152,5 +167,10 @@ def plan(cfg: BenchConfig, sizes: tuple[int, ...]) -> list[Item]:
     items += [Item("uniform", r) for r in cfg.uniform]
     if "voodoo" in cfg.methods:
         items += [Item("voodoo", size=s, steps=s0, seed=x) for s in cfg.fair_sizes for x in cfg.seeds[1:]]
+    # each knapsack at the other seeds, in the order --methods gives; one at the default seed is
+    # the file made above (no seed), not a second copy of it
+    items += [Item(resolve(m), size=s, seed=None if x == DEFAULT_SEED else x)
+              for m in cfg.methods if m != "voodoo" for s in cfg.fair_sizes for x in cfg.seeds[1:]]
+    if "voodoo" in cfg.methods:
         items += [Item("voodoo", size=s, steps=n, seed=seed0) for s in cfg.fair_sizes for n in cfg.steps[1:]]
     return list(dict.fromkeys(items))

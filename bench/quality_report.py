@@ -8,12 +8,14 @@ A row (``quality.py``: one file on one eval text) has ``name``, ``method`` ("sto
 eval text), ``size_bytes``, ``kld_mean``, ``kld_stderr`` (standard error over chunks),
 ``kld_chunks`` (each chunk's mean KLD, for paired differences); stock and uniform rows have
 ``recipe``, the others ``size`` (percent of uniform Q8_0), the written file (voodoo) also
-``steps`` and ``seed``. A peer's rows (``autoround.py``: method "autoround") have ``format`` (its
+``steps`` and ``seed``, a knapsack ``seed`` where it was made at another than the default (none:
+the default seed). A peer's rows (``autoround.py``: method "autoround") have ``format`` (its
 GGUF format, q4_k_m) and ``iters`` (0: its optimized RTN); they are listed and plotted beside ours
 and enter no curve. Rows with the same ``digest`` are one measurement: the last counts.
 
 Per (calibration, eval text): each size of the written file is the mean over its seeds (spread
-shown) at the step count measured at the most sizes; its excess KLD over the Q8_0 floor is divided
+shown) at the step count measured at the most sizes, and so is each size of a knapsack (its file at
+the default seed alone where no other was made); the written file's excess KLD over the Q8_0 floor is divided
 by the excess of a reference curve at the same file size, linear in log KLD between the curve's
 two nearest points (no extrapolation): the stock Pareto frontier (target ≤ 0.5), the compensated
 knapsack of the written file's walk (the learned stage's target: ≤ 0.85 at 25–45), the plain Fisher knapsack and the uniform
@@ -271,6 +273,11 @@ def _pm(v) -> str:
     return "—" if not v else f"{v[0]:+.5f} ± {v[1]:.5f}"
 
 
+def _seeds(x: dict) -> str:
+    """A curve point's spread over its seeds, where it has more than one."""
+    return f" ({x['kld_min']:.5f}–{x['kld_max']:.5f}, n={x['n_seeds']})" if x["n_seeds"] > 1 else ""
+
+
 def _yes(v: bool | None) -> str:
     return "—" if v is None else ("yes" if v else "no")
 
@@ -285,7 +292,9 @@ def _label(r: dict) -> str:
         return f"{r['method']} {r['recipe']}"
     if r["method"] in PEERS:
         return peer_label(r)
-    return f"Voodoo{r['size']} {r['method']}" + (f" ({r.get('steps')} steps, seed {r.get('seed')})" if r["method"] == "voodoo" else "")
+    if r["method"] == "voodoo":
+        return f"Voodoo{r['size']} voodoo ({r.get('steps')} steps, seed {r.get('seed')})"
+    return f"Voodoo{r['size']} {r['method']}" + (f" (seed {r['seed']})" if r.get("seed") is not None else "")
 
 
 def markdown(rows: Sequence[dict], costs: Sequence[dict] = (), plot_name: str | None = None) -> str:
@@ -329,8 +338,7 @@ def _group(calib: str, text: str, rs: list[dict]) -> list[str]:
             "− compensated knapsack, paired | vs Fisher knapsack | vs uniform | note |",
             "|---|---:|---:|---:|---:|---:|:---:|---:|:---:|---:|---:|---:|---|"]
     for x in t["sizes"]:
-        spread = f" ({x['kld_min']:.5f}–{x['kld_max']:.5f}, n={x['n_seeds']})" if x["n_seeds"] > 1 else ""
-        out.append(f"| Voodoo{x['size']} | {x['size_bytes'] / 1e6:.2f} | {x['kld_mean']:.6f}{spread} | "
+        out.append(f"| Voodoo{x['size']} | {x['size_bytes'] / 1e6:.2f} | {x['kld_mean']:.6f}{_seeds(x)} | "
                    f"{_f(x['kld_stderr'], '.6f')} | {x['excess']:.6f} | {_f(x['ratio_vs_stock'], '.3f')} | "
                    f"{_yes(x['meets_stock'])} | {_f(x['ratio_vs_compensated'], '.3f')} | {_yes(x['meets_knapsack'])} | "
                    f"{_pm(x['paired_vs_knapsack'])} | {_f(x['ratio_vs_knapsack'], '.3f')} | {_f(x['ratio_vs_uniform'], '.3f')} | "
@@ -340,9 +348,9 @@ def _group(calib: str, text: str, rs: list[dict]) -> list[str]:
         out += ["", "The knapsacks alone (no gates), against the stock frontier at the same file size:", "",
                 "| file | MB | KLD | ± | excess | stock frontier's KLD there | vs stock | note |", "|---|---:|---:|---:|---:|---:|---:|---|"]
         for x in ks:
-            out.append(f"| Voodoo{x['size']} {x['method']} | {x['size_bytes'] / 1e6:.2f} | {x['kld_mean']:.6f} | "
-                       f"{_f(x['kld_stderr'], '.6f')} | {x['excess']:.6f} | {_f(x['stock_kld'], '.6f')} | "
-                       f"{_f(x['ratio_vs_stock'], '.3f')} | {x['note']} |")
+            out.append(f"| Voodoo{x['size']} {x['method']} | {x['size_bytes'] / 1e6:.2f} | "
+                       f"{x['kld_mean']:.6f}{_seeds(x)} | {_f(x['kld_stderr'], '.6f')} | {x['excess']:.6f} | "
+                       f"{_f(x['stock_kld'], '.6f')} | {_f(x['ratio_vs_stock'], '.3f')} | {x['note']} |")
     w = walks(rs)
     if w:
         d = WALKS[0]

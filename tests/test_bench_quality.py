@@ -133,6 +133,27 @@ def test_rows_are_named_by_the_walk_their_config_records(rep):
     assert x["ratio_vs_compensated"] == pytest.approx(0.08 / 0.09)
 
 
+def test_a_knapsacks_seeds_are_named_and_shown_as_a_mean_with_their_spread(rep):
+    """A knapsack made at more seeds: each file listed under its seed, the knapsack's point at that
+    size the seed mean with its spread (as the written file's), and the written file measured
+    against that mean; a size made at the default seed alone reads as before."""
+    rows = STOCK + [_row("k30", "knapsack-gptq-packed", 89e6, 0.10, size=30),
+                    _row("k30s1", "knapsack-gptq-packed", 89e6, 0.12, size=30, seed=1),
+                    _row("k30s2", "knapsack-gptq-packed", 89e6, 0.14, size=30, seed=2),
+                    _row("k40", "knapsack-gptq-packed", 99e6, 0.05, size=40),
+                    _row("v30", "voodoo", 89e6, 0.07, size=30, seed=0, steps=50)]
+    md = rep.markdown(rows)
+    files = md.split("| file | made by |")[1].split("\n\n")[0]
+    assert [ln.split(" | ")[0] for ln in files.splitlines() if "knapsack" in ln] == [
+        "| Voodoo30 knapsack-gptq-packed", "| Voodoo30 knapsack-gptq-packed (seed 1)",
+        "| Voodoo30 knapsack-gptq-packed (seed 2)", "| Voodoo40 knapsack-gptq-packed"]
+    alone = md.split("The knapsacks alone")[1].split("\n\n")[1].splitlines()
+    assert alone[2].startswith("| Voodoo30 knapsack-gptq-packed | 89.00 | 0.120000 (0.10000–0.14000, n=3) | ")
+    assert alone[3].startswith("| Voodoo40 knapsack-gptq-packed | 99.00 | 0.050000 | ")
+    (x,) = rep.targets(rows)["sizes"]
+    assert x["compensated_kld"] == pytest.approx(0.12) and x["ratio_vs_compensated"] == pytest.approx(0.06 / 0.11)
+
+
 def test_learned_stage_target_and_flags(rep):
     rows = STOCK + [_row("v35", "voodoo", 95e6, 0.15, size=35, seed=0, steps=50),
                     _row("v40", "voodoo", 99e6, 0.16, size=40, seed=0, steps=50),
@@ -247,14 +268,22 @@ def test_plan_order_and_command_line(tmp_path):
     assert what == "run" and cfg.sizes == ("min", 30, 35, 45) and cfg.stock == ("Q8_0", "Q4_K_M")
     assert cfg.name == tiny_llama_hf_dir.name and cfg.train_extra == {"lr": 0.3}
     labels = [i.label for i in q.plan(cfg, (30, 35, 45))]
+    # at --fair_sizes: the written file's other seeds, each knapsack's (in --methods' order), then the other steps
     assert labels == ["stock-Q8_0", "Voodoo30-s50-seed0", "Voodoo35-s50-seed0", "Voodoo45-s50-seed0", "stock-Q4_K_M",
                       "Voodoo30-knapsack-gptq-packed", "Voodoo35-knapsack-gptq-packed", "Voodoo45-knapsack-gptq-packed",
                       "Voodoo30-knapsack", "Voodoo35-knapsack", "Voodoo45-knapsack", "uniform-Q4_K_S",
-                      "Voodoo30-s50-seed1", "Voodoo30-s10-seed0"]
+                      "Voodoo30-s50-seed1", "Voodoo30-knapsack-gptq-packed-seed1", "Voodoo30-knapsack-seed1",
+                      "Voodoo30-s10-seed0"]
     _, (only, _) = q.parse(["run", "--model", str(tiny_llama_hf_dir), "--sizes", "30", "--fair_sizes", "30",
                             "--methods", "knapsack-gptq-packed"])
-    (item,) = [i for i in q.plan(only, (30,)) if i.trained]
-    assert item.label == "Voodoo30-knapsack-gptq-packed" and item.variant({}).train["compensation_sweep"] == "packed"
+    made = [i for i in q.plan(only, (30,)) if i.trained]  # the default seeds 0 1 2: the knapsack's too, no gates
+    assert [i.label for i in made] == ["Voodoo30-knapsack-gptq-packed", "Voodoo30-knapsack-gptq-packed-seed1",
+                                       "Voodoo30-knapsack-gptq-packed-seed2"]
+    assert all(i.variant({}).train["compensation_sweep"] == "packed" for i in made)
+    # a knapsack at the default seed (0) is the file made everywhere, not a second copy of it
+    _, (swapped, _) = q.parse(["run", "--model", str(tiny_llama_hf_dir), "--sizes", "30", "--fair_sizes", "30",
+                               "--methods", "knapsack", "--seeds", "1", "0", "2"])
+    assert [i.label for i in q.plan(swapped, (30,)) if i.trained] == ["Voodoo30-knapsack", "Voodoo30-knapsack-seed2"]
     # the ruled walk's rows were made as "knapsack-gptq" while it was the default: the same identity
     assert q.Item("knapsack-gptq-ruled", size=30).key() == {"method": "knapsack-gptq", "size": 30}
     assert q.Item("knapsack-gptq-ruled", size=30).variant({}).train["compensation_sweep"] == "ruled"
@@ -264,6 +293,53 @@ def test_plan_order_and_command_line(tmp_path):
         q.parse(["run", "--model", str(tiny_llama_hf_dir), "--sizes", "30", "--fair_sizes", "35"])
     with pytest.raises(SystemExit, match="--methods: unknown gates"):
         q.parse(["run", "--model", str(tiny_llama_hf_dir), "--methods", "gates"])
+
+
+def test_a_knapsack_at_another_seed_is_another_file_and_the_default_seed_keeps_its_identity():
+    """``--seed`` picks the sequences of the knapsack's Fisher pass: a knapsack at seed 1 is its
+    own run, file and row identity, given to the train config as its seed; with no seed the Item
+    is named and keyed as before knapsacks took seeds."""
+    from voodoo_quant.training.config import TrainConfig
+
+    q = _bench("quality")
+    for method in ("knapsack", "knapsack-gptq-packed", "knapsack-gptq-ruled"):
+        plain, seeded = q.Item(method, size=30), q.Item(method, size=30, seed=1)
+        assert plain.label == f"Voodoo30-{method}" and plain.variant_name == method
+        assert "seed" not in plain.variant({}).train and "seed" not in plain.key()
+        assert seeded.label == f"Voodoo30-{method}-seed1" and seeded.variant_name == f"{method}-seed1"
+        assert seeded.key() == {**plain.key(), "seed": 1}
+        v = seeded.variant({"lr": 0.3})
+        assert v.name == f"{method}-seed1" and v.train == {**plain.variant({"lr": 0.3}).train, "seed": 1}
+        assert v.apply(TrainConfig(model="m", compression_ratio=0.5)).seed == 1
+    assert q.Item("knapsack-gptq-ruled", size=30, seed=2).key() == {"method": "knapsack-gptq", "size": 30, "seed": 2}
+
+
+def test_the_knapsack_rows_of_the_results_keep_their_digests():
+    """Every knapsack row of the 1.5B results, its config rebuilt by the driver from an Item with
+    no seed: the same digest, so a rerun skips them (a knapsack's seed must not touch them)."""
+    from types import SimpleNamespace
+
+    from voodoo_quant.tools.manifest import digest
+
+    q = _bench("quality")
+    results = Path(__file__).resolve().parents[1] / "docs" / "results" / "qwen2.5-coder-1.5b.jsonl"
+    rows = [json.loads(ln) for ln in results.read_text().splitlines()]
+    knap = [r for r in rows if r["method"].startswith("knapsack")]
+    assert len(knap) >= 10 and {r["method"] for r in knap} >= {"knapsack", "knapsack-gptq", "knapsack-gptq-packed"}
+    made_as = {v: k for k, v in _bench("quality_plan").LEGACY_KEYS.items()}  # "knapsack-gptq" rows: the ruled walk's
+    for r in knap:
+        c = r["config"]
+        item = q.Item(made_as.get(r["method"], r["method"]), size=r["size"])
+        assert item.key() == c["file"]
+        t = c["train"]
+        cfg = SimpleNamespace(degrid_seed=c["degrid_seed"], calib=tuple(c["calib"]["domains"]),
+                              seq_len=c["calib"]["seq_len"], calib_sequences=c["calib"]["calib_sequences"],
+                              ctx=c["eval"]["ctx"], chunks=c["eval"]["chunks"], menu=tuple(t["menu"]),
+                              device=t["device"], dtype=t["dtype"], train_extra={})
+        texts = SimpleNamespace(calib_sha256=c["calib"]["sha256"], eval_sha256={r["text"]: c["eval"]["sha256"]})
+        bench = SimpleNamespace(cfg=cfg, texts=texts, model_sha=c["model"], versions={"llama.cpp": c["llama.cpp"]})
+        again = q.Bench.row_config(bench, item, r["text"])
+        assert again == c and digest(again) == r["digest"], r["name"]
 
 
 def test_a_damaged_run_assignment_is_one_typed_error_naming_it(tmp_path, tiny_llama_hf_dir):
@@ -419,6 +495,24 @@ def test_compare_pairs_the_same_file_of_two_variants_chunk_by_chunk():
     b[0]["config"] = {"eval": {"sha256": "other", "ctx": 512, "chunks": 3}}
     with pytest.raises(SystemExit, match="different eval texts"):
         cmp.compare(a, b)
+
+
+def test_compare_pairs_a_knapsacks_files_seed_by_seed():
+    """A knapsack at seed 1 pairs with the other run's seed-1 file, never with its default-seed
+    file, and the table names which is which."""
+    cmp = _bench("quality_compare")
+    a = [_row("k30", "knapsack", 80e6, 0.20, size=30, chunks=[0.2, 0.2, 0.2]),
+         _row("k30s1", "knapsack", 80e6, 0.30, size=30, seed=1, chunks=[0.3, 0.3, 0.3])]
+    b = [_row("k30s1", "knapsack", 80e6, 0.25, size=30, seed=1, chunks=[0.25, 0.25, 0.25]),
+         _row("k30", "knapsack", 80e6, 0.10, size=30, chunks=[0.1, 0.1, 0.1]),
+         _row("k30s2", "knapsack", 80e6, 0.40, size=30, seed=2, chunks=[0.4, 0.4, 0.4])]
+    out = cmp.compare(a, b)
+    assert [(e["label"], e["key"][-1]) for e in out] == [("Voodoo30 knapsack", None), ("Voodoo30 knapsack (seed 1)", 1)]
+    assert [e["paired"][0] for e in out] == [pytest.approx(-0.1), pytest.approx(-0.05)]
+    table = cmp.markdown(out, "A", "B")
+    assert "| plays+python | plays | Voodoo30 knapsack (seed 1) | 80.00 | 80.00 | 0.30000" in table
+    methods = cmp.compare(a, [dict(r, method="knapsack-gptq-packed") for r in b], ("knapsack", "knapsack-gptq-packed"))
+    assert [(e["key"][-1], e["b"]["kld_mean"]) for e in methods] == [(None, 0.10), (1, 0.25)]
 
 
 def test_compare_pairs_two_methods_of_one_results_file():
