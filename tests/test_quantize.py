@@ -313,3 +313,28 @@ def test_ladder_with_error_compensation_collects_the_hessians_once(tiny_llama_hf
         assert rec["method"] == "gptq" and rec["hessians"] == str((run / "hessians.safetensors").resolve())
         kv = converter.vendored_gguf().GGUFReader(res.files[size]).fields
         assert kv["voodoo.error_compensation"].contents() == "gptq"
+
+
+def test_the_ladder_keeps_one_shared_sensitivity_table_per_menu_not_per_size(tiny_llama_hf_dir, tmp_path):
+    """Sizes of a ladder share one sensitivity table; runs on another menu or seed keep their own,
+    so alternating between them (two menus in one work folder) recomputes neither."""
+    from voodoo_quant.tools.quantize import Ladder
+    from voodoo_quant.tools.variant import Variant
+
+    ladder = Ladder(_cfg(tiny_llama_hf_dir, tmp_path, tmp_path / "out"), None, None)
+
+    def table(size=60, variant=None, **cfg):
+        lad = ladder if not cfg else Ladder(_cfg(tiny_llama_hf_dir, tmp_path, tmp_path / "out", **cfg), None, None)
+        tcfg = lad.cfg.train_config(size, tiny_llama_hf_dir, tmp_path, None, tmp_path / "run")
+        if variant is not None:
+            tcfg = variant.apply(tcfg)
+        return lad.shared_table(tcfg, variant is not None)
+
+    base = table()
+    assert base.parent == ladder.work and base.name.startswith("sensitivity-") and base.suffix == ".pt"
+    assert table(75) == base  # another size: the same table
+    assert table(candidate_types=("Q8_0", "Q4_0")) != base  # another menu
+    assert table(candidate_types=("Q8_0", "Q4_0")) == table(75, candidate_types=("Q8_0", "Q4_0"))
+    seeded = table(variant=Variant("s1", {"seed": 1}))
+    assert seeded != base and seeded.parent.parent.name == "variants" and seeded.parent.name.endswith("-seed1")
+    assert table(variant=Variant("s1", {"seed": 1}), candidate_types=("Q8_0", "Q4_0")) != seeded

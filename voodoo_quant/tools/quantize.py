@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import shutil
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -332,12 +332,7 @@ class Ladder:
         settings = {k: v for k, v in key_dict(tcfg, OUTPUT).items() if k not in _KEYED_BY_CONTENT}
         inputs = {"teacher": self.keys["make-teacher"], "data": self.keys["data"], "imatrix": self.keys["imatrix"],
                   "train": settings}
-        # One sensitivity table per compensation (its walk) and seed (its key holds both): variants
-        # that alternate between them do not recompute each other's.
-        comp = tcfg.compensation if tcfg.compensation == "none" or tcfg.compensation_sweep == _DEFAULT_SWEEP \
-            else f"{tcfg.compensation}-{tcfg.compensation_sweep}"
-        home = self.work if variant is None else self.work / "variants" / f"{comp}-seed{tcfg.seed}"
-        shared = home / TABLE_NAME
+        shared = self.shared_table(tcfg, variant is not None)
 
         def stale() -> None:  # the old run's journal and outputs were made from other inputs
             for f in ("partial.pt", "assignment.json", "tensor-types.txt", "train_log.jsonl", tcfg.output_name):
@@ -346,8 +341,12 @@ class Ladder:
         def body() -> None:
             # made once for the ladder; the trainer checks each key. The Hessians are linked, not
             # copied: at 1.5B they are ~10 GB, one more for every size of the ladder otherwise.
-            if shared.is_file() and not (run / shared.name).is_file():
-                fileio.copy_file(shared, run / shared.name)
+            # The shared table replaces a run's older one: a run folder last trained on other inputs
+            # (another menu) holds a table the trainer would only recompute. The trainer checks the
+            # key of the table it is given.
+            own = run / TABLE_NAME
+            if shared.is_file() and (not own.is_file() or own.stat().st_mtime_ns < shared.stat().st_mtime_ns):
+                fileio.copy_file(shared, own)
             if (self.work / HESSIANS_FILE).is_file() and not (run / HESSIANS_FILE).is_file():
                 fileio.link_or_copy(self.work / HESSIANS_FILE, run / HESSIANS_FILE)
             _, cache = run_training(tcfg, self.ui.advance,
@@ -362,6 +361,20 @@ class Ladder:
 
         self.step(f"train-{name}", inputs, lambda: [run / "assignment.json", run / "tensor-types.txt"], body,
                   total=tcfg.max_steps, on_stale=stale)
+
+    def shared_table(self, tcfg: TrainConfig, variant: bool) -> Path:
+        """Where the ladder keeps the sensitivity table its sizes share: one per compensation (its
+        walk), seed, menus and table settings (what its key holds beyond the ladder's shared
+        inputs), so that runs alternating between them (a variant, another --candidate_types) do
+        not overwrite and recompute each other's. The table's own key still decides whether a run
+        uses it."""
+        from ..training.sensitivity import TABLE_NAME  # lazy: voodoo_quant.api imports this module
+
+        comp = tcfg.compensation if tcfg.compensation == "none" or tcfg.compensation_sweep == _DEFAULT_SWEEP \
+            else f"{tcfg.compensation}-{tcfg.compensation_sweep}"
+        home = self.work if not variant else self.work / "variants" / f"{comp}-seed{tcfg.seed}"
+        key = {"menus": asdict(tcfg.menus), "kind": tcfg.sensitivity_kind, "sequences": tcfg.sensitivity_sequences}
+        return home / f"{TABLE_NAME.removesuffix('.pt')}-{digest(key)[:12]}.pt"
 
     def _teacher_cache_dir(self) -> Path:
         key = digest({"teacher": self.keys["make-teacher"], "dtype": self.cfg.dtype, "device": self.cfg.device,
