@@ -65,17 +65,17 @@ _SEED = 0
 BASE = "IQ2_XXS"  # the probed grid type the DERIVED ones are priced from
 # Seconds per weight of a type ÷ IQ2_XXS's, plain ("plain") and in the compensation walk of each
 # sweep (the walk's seconds per weight beyond its GEMM), on one thread: the median of 3 runs of
-# ``bench/time_model.py constants`` (this module's quant_rates and compensation_rates on all seven
-# grid types, side by side; bench/results/time_model_constants.json), 2026-12-07, the 2-core
-# machine with other jobs on it (single runs scattered by up to ±30 %). Under "ruled" IQ1_M is
-# walked per step (compensation_walk.RULED_SWEEP), under "packed" IQ2_XS and IQ1_M. Packed now walks IQ2_XS
-# as ruled does (compensation_walk.PACKED_RULED), so its "packed" figure (per step) overprices it; not
-# re-measured (a rerun under load divided by a walk rate measured as 0 s).
+# ``bench/time_model.py constants --only derived`` (CPU seconds; this module's quant_rates and
+# compensation_rates on all seven grid types, side by side; bench/results/time_model_constants.json),
+# 2026-12-07, the 2-core machine with the benchmark on both cores (an earlier run's figures differed
+# by up to ±30 %). Under "ruled" IQ1_M is walked per step (compensation_walk.RULED_SWEEP); under
+# "packed" IQ2_XS is walked as under "ruled" (compensation_walk.PACKED_RULED) and IQ1_M per step,
+# against IQ2_XXS's probe walk, hence their "packed" ratios.
 DERIVED: dict[str, dict[str, float]] = {
-    "IQ2_XS": {"plain": 1.66, "ruled": 1.48, "fixed": 1.74, "packed": 12.7, "requant": 1.88},
-    "IQ2_S": {"plain": 0.52, "ruled": 0.72, "fixed": 0.56, "packed": 0.64, "requant": 0.57},
-    "IQ1_S": {"plain": 0.41, "ruled": 0.54, "fixed": 0.45, "packed": 0.62, "requant": 0.49},
-    "IQ1_M": {"plain": 0.40, "ruled": 1.19, "fixed": 0.43, "packed": 2.99, "requant": 0.39},
+    "IQ2_XS": {"plain": 1.96, "ruled": 1.90, "fixed": 1.83, "packed": 3.25, "requant": 2.01},
+    "IQ2_S": {"plain": 0.51, "ruled": 0.69, "fixed": 0.44, "packed": 0.47, "requant": 0.55},
+    "IQ1_S": {"plain": 0.32, "ruled": 0.60, "fixed": 0.34, "packed": 0.23, "requant": 0.34},
+    "IQ1_M": {"plain": 0.31, "ruled": 2.01, "fixed": 0.33, "packed": 2.63, "requant": 0.41},
 }
 
 
