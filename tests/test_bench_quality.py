@@ -126,8 +126,9 @@ def test_a_knapsack_at_another_seed_is_another_file_and_the_default_seed_keeps_i
 
 
 def test_the_knapsack_rows_of_the_results_keep_their_digests():
-    """Every knapsack row of the 1.5B results, its config rebuilt by the driver from an Item with
-    no seed: the same digest, so a rerun skips them (a knapsack's seed must not touch them)."""
+    """Every knapsack row of the 1.5B results, its config rebuilt by the driver from its Item (with
+    its seed where the row has one): the same digest, so a rerun skips them; a knapsack's seed does
+    not touch the rows at the default seed."""
     from types import SimpleNamespace
 
     from voodoo_quant.tools.manifest import digest
@@ -137,10 +138,11 @@ def test_the_knapsack_rows_of_the_results_keep_their_digests():
     rows = [json.loads(ln) for ln in results.read_text().splitlines()]
     knap = [r for r in rows if r["method"].startswith("knapsack")]
     assert len(knap) >= 10 and {r["method"] for r in knap} >= {"knapsack", "knapsack-gptq", "knapsack-gptq-packed"}
+    assert any("seed" not in r["config"]["file"] for r in knap)
     made_as = {v: k for k, v in _bench("quality_plan").LEGACY_KEYS.items()}  # "knapsack-gptq" rows: the ruled walk's
     for r in knap:
         c = r["config"]
-        item = q.Item(made_as.get(r["method"], r["method"]), size=r["size"])
+        item = q.Item(made_as.get(r["method"], r["method"]), size=r["size"], seed=c["file"].get("seed"))
         assert item.key() == c["file"]
         t = c["train"]
         cfg = SimpleNamespace(degrid_seed=c["degrid_seed"], calib=tuple(c["calib"]["domains"]),
