@@ -64,7 +64,23 @@ from quality_plan import (BENCH_NAME, DEFAULT_METHODS, FLOOR, METHODS, SHARED_ST
 from voodoo_quant.candidates.compensate import DEFAULT_SWEEP  # noqa: E402
 from voodoo_quant.core import fileio  # noqa: E402
 from voodoo_quant.core.errors import VoodooError  # noqa: E402
+from voodoo_quant.selection.menus import DEFAULT_CANDIDATES  # noqa: E402
 from voodoo_quant.tools.manifest import digest  # noqa: E402
+
+# The product's default menu when the rows of the results files began: a row made with it records
+# an empty menu (--menu not given). Those rows stay the record of that menu, so an empty --menu
+# keeps that digest only while the default is this list; under another default, the row records
+# the default's types, and a file made with it is a new row.
+SIX_TYPE_DEFAULT = ("Q8_0", "Q5_K", "IQ3_S", "IQ2_S", "IQ2_XXS", "IQ1_S")
+
+
+def row_menu(menu: tuple[str, ...]) -> list[str]:
+    """The menu a trained row's digest records: --menu as given; without one, the product's
+    default, or [] where that is still the six-type default the rows without one were made with."""
+    if menu or DEFAULT_CANDIDATES == SIX_TYPE_DEFAULT:
+        return list(menu)
+    return list(DEFAULT_CANDIDATES)
+
 
 @dataclass
 class RunSummary:
@@ -125,7 +141,7 @@ class Bench:
                        "calib_sequences": c.calib_sequences},
              "eval": {"text": text, "sha256": t.eval_sha256[text], "ctx": c.ctx, "chunks": c.chunks}}
         if item.trained:
-            d["train"] = {"menu": list(c.menu), "device": c.device, "dtype": c.dtype,
+            d["train"] = {"menu": row_menu(c.menu), "device": c.device, "dtype": c.dtype,
                           **item.variant(c.train_extra).train}
             if d["train"].get("error_compensation") != "none":  # a file of another walk is another file
                 d["train"].setdefault("compensation_sweep", DEFAULT_SWEEP)

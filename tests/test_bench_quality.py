@@ -125,24 +125,24 @@ def test_a_knapsack_at_another_seed_is_another_file_and_the_default_seed_keeps_i
     assert q.Item("knapsack-gptq-ruled", size=30, seed=2).key() == {"method": "knapsack-gptq", "size": 30, "seed": 2}
 
 
-def test_the_knapsack_rows_of_the_results_keep_their_digests():
-    """Every knapsack row of the 1.5B results, its config rebuilt by the driver from its Item (with
-    its seed where the row has one): the same digest, so a rerun skips them; a knapsack's seed does
-    not touch the rows at the default seed."""
+def test_the_knapsack_rows_of_the_results_keep_their_digests(monkeypatch):
+    """Every knapsack row of the 1.5B results, its config rebuilt by the driver from an Item with
+    no seed: the same digest, so a rerun skips them (a knapsack's seed must not touch them). The
+    rows were made under the six-type default menu, so they are rebuilt under it."""
     from types import SimpleNamespace
 
     from voodoo_quant.tools.manifest import digest
 
     q = _bench("quality")
+    monkeypatch.setattr(q, "DEFAULT_CANDIDATES", q.SIX_TYPE_DEFAULT)
     results = Path(__file__).resolve().parents[1] / "docs" / "results" / "qwen2.5-coder-1.5b.jsonl"
     rows = [json.loads(ln) for ln in results.read_text().splitlines()]
     knap = [r for r in rows if r["method"].startswith("knapsack")]
     assert len(knap) >= 10 and {r["method"] for r in knap} >= {"knapsack", "knapsack-gptq", "knapsack-gptq-packed"}
-    assert any("seed" not in r["config"]["file"] for r in knap)
     made_as = {v: k for k, v in _bench("quality_plan").LEGACY_KEYS.items()}  # "knapsack-gptq" rows: the ruled walk's
     for r in knap:
         c = r["config"]
-        item = q.Item(made_as.get(r["method"], r["method"]), size=r["size"], seed=c["file"].get("seed"))
+        item = q.Item(made_as.get(r["method"], r["method"]), size=r["size"])
         assert item.key() == c["file"]
         t = c["train"]
         cfg = SimpleNamespace(degrid_seed=c["degrid_seed"], calib=tuple(c["calib"]["domains"]),
@@ -153,6 +153,46 @@ def test_the_knapsack_rows_of_the_results_keep_their_digests():
         bench = SimpleNamespace(cfg=cfg, texts=texts, model_sha=c["model"], versions={"llama.cpp": c["llama.cpp"]})
         again = q.Bench.row_config(bench, item, r["text"])
         assert again == c and digest(again) == r["digest"], r["name"]
+
+
+def test_a_default_menu_row_is_not_a_row_of_the_six_type_default(tmp_path, monkeypatch):
+    """A trained row made without --menu records the product's default menu in its digest, so a
+    file made with the ten-type default is a new row, not one the results file already holds from
+    the six-type default (whose rows record an empty menu, and keep that digest under it)."""
+    from types import SimpleNamespace
+
+    from voodoo_quant.selection.menus import DEFAULT_CANDIDATES
+    from voodoo_quant.tools.manifest import digest
+
+    q = _bench("quality")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")  # all BenchConfig looks for; no row is made
+
+    def config(**kw) -> dict:
+        b = q.Bench(q.BenchConfig(model=model, name="T", results=tmp_path / "r.jsonl", work=tmp_path / "w",
+                                  sizes=(35,), fair_sizes=(), **kw), "cmd", log=lambda s: None)
+        b.texts, b.model_sha = SimpleNamespace(calib_sha256="c", eval_sha256={"plays": "e"}), "m"
+        return b.row_config(q.Item("knapsack-gptq-packed", size=35), "plays")
+
+    six = ("Q8_0", "Q5_K", "IQ3_S", "IQ2_S", "IQ2_XXS", "IQ1_S")
+    assert q.SIX_TYPE_DEFAULT == six and len(DEFAULT_CANDIDATES) == 10
+    now = config()
+    assert now["train"]["menu"] == list(DEFAULT_CANDIDATES)
+    assert digest(now) == digest(config(menu=DEFAULT_CANDIDATES))  # the same file named either way
+    assert digest(now) != digest(config(menu=six))
+    monkeypatch.setattr(q, "DEFAULT_CANDIDATES", six)  # the product as the recorded rows were made
+    then = config()
+    assert then["train"]["menu"] == []
+    assert digest(now) != digest(then)
+    # the recorded rows of the six-type default: an empty menu is in the config their digest is of
+    recorded = [r for r in _recorded_rows(q) if "train" in r.get("config", {})]
+    assert recorded and all(digest(r["config"]) == r["digest"] for r in recorded)
+    assert any(r["config"]["train"]["menu"] == [] for r in recorded)
+
+
+def _recorded_rows(q) -> list[dict]:
+    return q.store.read_rows(Path(__file__).resolve().parents[1] / "docs" / "results" / "qwen2.5-coder-1.5b.jsonl")
 
 
 def test_a_damaged_run_assignment_is_one_typed_error_naming_it(tmp_path, tiny_llama_hf_dir):

@@ -100,13 +100,14 @@ def test_menu_drops_are_one_line_per_type(caplog):
 
 
 def test_a_filled_menu_takes_every_size_its_row_admits():
-    """The default menu on 576-wide rows serves three rungs; filled, the row's other types in the
-    requested size range join them, one per size (IQ4_NL rather than Q4_0 at 4.5 bpw)."""
+    """The default menu on 576-wide rows serves four rungs, two of them 4.5 bpw (Q2_K → Q4_0, the
+    IQ types → IQ4_NL); filled, the fallback Q4_0 gives way to IQ4_NL, the better of that size,
+    and the row's other types in the requested size range join them, one per size."""
     from voodoo_quant.selection.menus import DEFAULT_CANDIDATES
 
     plain = build_menu(DEFAULT_CANDIDATES, 576, has_imatrix=True)
     filled = build_menu(DEFAULT_CANDIDATES, 576, has_imatrix=True, fill=True)
-    assert plain.types == ("IQ4_NL", "Q5_1", "Q8_0")
+    assert plain.types == ("Q4_0", "IQ4_NL", "Q5_1", "Q8_0")
     assert filled.types == ("MXFP4", "IQ4_NL", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
     assert filled.fallbacks == plain.fallbacks  # what was asked for and what served it, unchanged
     bpw = [qt.get(t).bpw for t in filled.types]
@@ -120,6 +121,50 @@ def test_a_filled_menu_takes_every_size_its_row_admits():
     # a type the row would take but that needs an imatrix is not added without one
     m = build_menu(("IQ2_XXS", "Q8_0"), 64 * 3, has_imatrix=False, fill=True)
     assert all(not qt.get(t).needs_imatrix for t in m.types)
+    # a fallback gives way to a better type of its size; a type the menu names itself does not
+    assert build_menu(("Q2_K", "IQ3_S", "Q8_0"), 576, True).types == ("Q4_0", "IQ4_NL", "Q8_0")
+    assert build_menu(("Q2_K", "IQ3_S", "Q8_0"), 576, True, fill=True).types == (
+        "MXFP4", "IQ4_NL", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+    assert build_menu(("Q4_0", "IQ3_S", "Q8_0"), 576, True, fill=True).types == (
+        "MXFP4", "Q4_0", "IQ4_NL", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+    assert build_menu(("Q4_0", "IQ4_NL", "Q8_0"), 576, True, fill=True).types == ("Q4_0", "IQ4_NL", "Q8_0")
+
+
+def test_the_default_menu_on_576_wide_rows_is_the_reference_recipes_under_fill():
+    """SmolLM2's 576-wide rows are no multiple of 256, so every rung the default menu gained
+    (Q6_K, IQ4_XS, IQ3_XXS, Q2_K) falls back (src/llama-quant.cpp tensor_type_fallback): Q6_K to
+    Q8_0, IQ4_XS and IQ3_XXS to IQ4_NL, which the menu already served, and Q2_K to Q4_0, which
+    ties IQ4_NL at 4.5 bpw and loses the tie in a filled menu. So filled, as the default menu is,
+    such a tensor's menu is exactly what the reference recipe's six-type default gave it, with an
+    imatrix and without one (an embedding's); only the fallbacks recorded name more types."""
+    from voodoo_quant.selection.menus import DEFAULT_CANDIDATES
+
+    assert set(DEFAULT_CANDIDATES) - set(RECIPE_DEFAULT) == {"Q6_K", "IQ4_XS", "IQ3_XXS", "Q2_K"}
+    for has_im in (True, False):
+        new = build_menu(DEFAULT_CANDIDATES, 576, has_im, fill=True)
+        old = build_menu(RECIPE_DEFAULT, 576, has_im, fill=True)
+        assert new.types == old.types == ("MXFP4", "IQ4_NL", "Q4_1", "Q5_0", "Q5_1", "Q8_0"), has_im
+        assert {k: v for k, v in new.fallbacks.items() if k in RECIPE_DEFAULT} == old.fallbacks
+        assert {k: new.fallbacks[k] for k in ("Q6_K", "IQ4_XS", "IQ3_XXS", "Q2_K")} == {
+            "Q6_K": "Q8_0", "IQ4_XS": "IQ4_NL", "IQ3_XXS": "IQ4_NL", "Q2_K": "Q4_0"}
+        assert new.dropped_no_imatrix == old.dropped_no_imatrix == ()  # IQ4_NL needs none
+
+
+def test_the_default_menu_on_1536_wide_rows_holds_every_rung():
+    """A row that is a multiple of 256 takes all ten default types, cheapest first; a tensor no
+    imatrix covers (the embedding, the output head) loses the four llama-quantize refuses without
+    one (IQ3_XXS, IQ2_S, IQ2_XXS, IQ1_S) and keeps six, Q2_K its cheapest."""
+    from voodoo_quant.selection.menus import DEFAULT_CANDIDATES
+
+    m = build_menu(DEFAULT_CANDIDATES, 1536, has_imatrix=True)
+    assert m.types == ("IQ1_S", "IQ2_XXS", "IQ2_S", "Q2_K", "IQ3_XXS", "IQ3_S", "IQ4_XS", "Q5_K", "Q6_K", "Q8_0")
+    assert m.types == tuple(reversed(DEFAULT_CANDIDATES))  # the tuple is written best first
+    assert not m.fallbacks and not m.dropped_no_imatrix
+    assert build_menu(DEFAULT_CANDIDATES, 1536, True, fill=True).types == m.types
+    bare = build_menu(DEFAULT_CANDIDATES, 1536, has_imatrix=False)
+    assert bare.types == ("Q2_K", "IQ3_S", "IQ4_XS", "Q5_K", "Q6_K", "Q8_0")
+    assert set(bare.dropped_no_imatrix) == {"IQ3_XXS", "IQ2_S", "IQ2_XXS", "IQ1_S"}
+    assert {t for t in DEFAULT_CANDIDATES if qt.get(t).needs_imatrix} == set(bare.dropped_no_imatrix)
 
 
 def test_fill_is_the_default_only_for_the_default_menu():
@@ -128,10 +173,15 @@ def test_fill_is_the_default_only_for_the_default_menu():
 
     assert default_fill(None, None, None) and default_fill(list(DEFAULT_CANDIDATES), None, None)
     assert not default_fill(["Q8_0", "Q4_0"], None, None)
+    # the reference recipe's six types, the default once, are a menu the user names: not filled
+    assert not default_fill(list(RECIPE_DEFAULT), None, None)
+    assert not default_fill(list(RECIPE_DEFAULT), RECIPE_ATTN, RECIPE_OTHER)
     assert not default_fill(None, ["Q8_0"], None)
     base = dict(model="m", compression_ratio=0.5)
     assert TrainConfig(**base).fill_menus is True and TrainConfig(**base).menus.fill
     assert TrainConfig(**base, candidate_types=("Q8_0", "Q4_0")).fill_menus is False
+    assert TrainConfig(**base, candidate_types=RECIPE_DEFAULT).fill_menus is False
+    assert TrainConfig(**base, candidate_types=DEFAULT_CANDIDATES).fill_menus is True
     assert TrainConfig(**base, candidate_types=("Q8_0", "Q4_0"), fill_menus=True).menus.fill
     assert TrainConfig(**base, fill_menus=False).menus.fill is False
     # resolved once: the journal's key and a config read back from it agree

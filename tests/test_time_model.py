@@ -68,8 +68,9 @@ def test_probe_gives_a_rate_for_every_default_menu_type():
     for what in (r.gemm, r.gemm1, r.chol, r.sha256, r.copy, r.curvature, r.seconds):
         assert math.isfinite(what) and what > 0
     assert 1.0 <= r.parallel <= 2.0
-    # the grid types whose setup takes longer than the probe may are priced from IQ2_XXS's rate
-    assert set(r.bare) == {"Q8_0", "Q5_K", "IQ3_S"}  # the others need a vector
+    # the grid types whose setup takes longer than the probe may are priced from IQ2_XXS's rate;
+    # every other type, IQ3_XXS's grid included (set up in under a second), is probed itself
+    assert set(r.bare) == {"Q8_0", "Q6_K", "Q5_K", "IQ4_XS", "IQ3_S", "Q2_K"}  # the others need a vector
     assert set(r.derived) == {t for t in DEFAULT_CANDIDATES if t in DERIVED} == {"IQ2_S", "IQ1_S"}
     for t in r.derived:
         assert r.quant[t] == pytest.approx(r.quant[BASE] / DERIVED[t]["plain"])
@@ -195,10 +196,14 @@ def test_no_time_plan_off_the_cpu(gate_model_dir):
     assert plan is None and "CPU" in why
 
 
-def test_train_dry_run_prints_the_time(gate_model_dir, tmp_path):
+def test_train_dry_run_prints_the_time(gate_model_dir, tmp_path, synthetic_run_inputs):
+    """The dry run of the default menu, with an imatrix so every one of its ten types is on the
+    256-wide rows' menus: each is priced, probed itself or, for the grid types the probe leaves
+    out, from IQ2_XXS's rate by rates.DERIVED, as its assumes-line says."""
+    synthetic_run_inputs(gate_model_dir / "model", tmp_path)  # tmp_path/imatrix.gguf
     res = CliRunner().invoke(app, ["train", "--model", str(gate_model_dir / "model"), "--data_dir",
                                    str(gate_model_dir / "data"), "--output_dir", str(tmp_path / "out"),
-                                   "--candidate_types", "Q8_0", "Q4_K", "--compression_ratio", "0.6",
+                                   "--imatrix", str(tmp_path / "imatrix.gguf"), "--compression_ratio", "0.6",
                                    "--seq_len", "32", "--dry_run"])
     assert res.exit_code == 0, res.output[-2000:]
     out = res.output
@@ -207,4 +212,8 @@ def test_train_dry_run_prints_the_time(gate_model_dir, tmp_path):
                   "training steps", "guarantee", "TOTAL (voodoo train)", "then export"):
         assert stage in out, stage
     assert "12 sequences" in out  # the tokens file was read for the counts
+    menus = next(line for line in out.splitlines() if "assumes: menus " in line)
+    assert menus.split("assumes: menus ")[1].split(" (")[0].split() == sorted(DEFAULT_CANDIDATES)
+    derived = set(menus.split(" (")[1].split(" priced from")[0].split(", "))
+    assert derived & set(DEFAULT_CANDIDATES) == {"IQ2_S", "IQ1_S"} and derived <= set(DERIVED)
     assert not (tmp_path / "out").exists()

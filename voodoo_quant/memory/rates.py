@@ -36,7 +36,9 @@ Four grid types are not quantized by the probe: libggml-base sets up their grids
 docs/facts.md), longer than the whole probe may take. Their quantization and walk are priced from
 IQ2_XXS's, probed, by the ratios of :data:`DERIVED`, measured side by side with this module's own
 functions (``bench/time_model.py constants``); their dequantization needs no grid setup and is
-probed on random blocks.
+probed on random blocks. Every other type is probed itself: the K-quants, IQ4_XS and IQ4_NL need
+no grid, and IQ2_XXS, IQ3_XXS and IQ3_S set theirs up in 2.5, 0.4 and 0.6 s
+(``bench/results/time_model_constants.json``, ``GRID_SETUP_S``).
 
 What the probe cannot measure in seconds (a disk, a stock tool) is a constant of
 :mod:`.timing`, stated there with where it was measured.

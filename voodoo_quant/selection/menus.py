@@ -8,10 +8,11 @@ imatrix are dropped when none covers the tensor. The result is ordered by bits p
 are the rungs that ``--tensor_upgrades`` moves along.
 
 A menu whose types fall back on a tensor's row length loses rungs: the default menu on a row of
-576 weights (not a multiple of 256) serves only IQ4_NL, Q5_1 and Q8_0. Where menus are *filled*
-(the default when the user names no menu), such a tensor also takes every other type its row
-length admits within the size range the menu asked for (MXFP4, Q4_1, Q5_0 there), one per size:
-the rungs the stock tool itself would use on that row.
+576 weights (not a multiple of 256) serves only Q4_0 (Q2_K's fallback), IQ4_NL (the IQ types'),
+Q5_1 and Q8_0. Where menus are *filled* (the default when the user names no menu), a fallback
+that ties a better served type in size gives way to it (Q4_0 to IQ4_NL), and such a tensor also
+takes every other type its row length admits within the size range the menu asked for (MXFP4,
+Q4_1, Q5_0 there), one per size: the rungs the stock tool itself would use on that row.
 """
 
 from __future__ import annotations
@@ -24,8 +25,16 @@ from typing import Iterable, Sequence
 from ..core import qtypes as qt
 from ..core.errors import ConfigError
 
-# The reference recipe's default menu (SPEC.md).
-DEFAULT_CANDIDATES: tuple[str, ...] = ("Q8_0", "Q5_K", "IQ3_S", "IQ2_S", "IQ2_XXS", "IQ1_S")
+# The default menu: every K and IQ rung between Q8_0 and the Q2_K class that measured useful, and
+# the reference recipe's grid types below it. On Qwen2.5-Coder-1.5B the knapsack put each of Q6_K,
+# IQ4_XS, IQ3_XXS and Q2_K to use, and adding them to the reference recipe's six (Q8_0 Q5_K IQ3_S
+# IQ2_S IQ2_XXS IQ1_S, which the recipe names itself) lowered the file's KLD at the same size
+# (WHITEPAPER §4, "The default menu at 1.5B"). Written best first, as the flag's help shows it;
+# build_menu sorts each tensor's menu cheapest first. The embedding and the output head have no
+# imatrix: IQ3_XXS, IQ2_S, IQ2_XXS and IQ1_S leave their menus, and Q2_K, a K-quant, is their
+# cheapest rung.
+DEFAULT_CANDIDATES: tuple[str, ...] = ("Q8_0", "Q6_K", "Q5_K", "IQ4_XS", "IQ3_S", "IQ3_XXS", "Q2_K", "IQ2_S",
+                                       "IQ2_XXS", "IQ1_S")
 _TABLE_ORDER = {name: i for i, name in enumerate(qt.QTYPES)}
 
 
@@ -50,7 +59,8 @@ def _norm_types(types: Iterable[str] | None, flag: str) -> tuple[str, ...] | Non
 def default_fill(candidate_types: Sequence[str] | None, attention_candidates: Sequence[str] | None,
                  non_attention_candidates: Sequence[str] | None) -> bool:
     """Whether menus are filled when the user does not say: yes for the default menu (no menu
-    named, or one equal to the default), no for a menu the user chose."""
+    named, or one equal to :data:`DEFAULT_CANDIDATES`), no for a menu the user chose (the
+    reference recipe's six types included: they were the default once, and are a named menu now)."""
     named = _norm_types(candidate_types, "--candidate_types")
     return (named is None or named == DEFAULT_CANDIDATES) and not attention_candidates and not non_attention_candidates
 
@@ -97,9 +107,10 @@ FILL_TYPES: tuple[str, ...] = tuple(n for n, q in qt.QTYPES.items() if not q.is_
 
 def build_menu(types: Sequence[str], n_per_row: int, has_imatrix: bool, fill: bool = False) -> Menu:
     """The menu of a tensor whose rows hold `n_per_row` weights: `types` through llama.cpp's
-    fallbacks, de-duplicated, cheapest first; with `fill`, where a type fell back, also every type
-    of :data:`FILL_TYPES` that the row takes whose size lies within the requested types' range
-    and that no served type already has (at equal size the better one, the table's first)."""
+    fallbacks, de-duplicated, cheapest first; with `fill`, where a type fell back, a type served
+    only as a fallback is left out where a better one of its size is served, and every type of
+    :data:`FILL_TYPES` that the row takes whose size lies within the requested types' range and
+    that no served type already has is added (at equal size the better one, the table's first)."""
     served: dict[str, qt.QType] = {}
     fallbacks: dict[str, str] = {}
     dropped: list[str] = []
@@ -112,6 +123,14 @@ def build_menu(types: Sequence[str], n_per_row: int, has_imatrix: bool, fill: bo
             continue
         served.setdefault(q.name, q)
     if fill and fallbacks:
+        # Two requested types may fall back to types of one size (Q2_K → Q4_0 and IQ3_S → IQ4_NL,
+        # both 4.5 bpw, on a row of 576): a type served only as a fallback gives way to a better
+        # one of its size (the table's first), as the row's other types are added below. A type
+        # the menu names itself stays.
+        named = {qt.get(t).name for t in types}
+        served = {n: q for n, q in served.items()
+                  if n in named or not any(p.bpw == q.bpw and _TABLE_ORDER[p.name] < _TABLE_ORDER[n]
+                                           for p in served.values())}
         asked = [qt.get(t).bpw for t in types]
         lo, hi = min(asked), max(asked)
         sizes = {q.bpw for q in served.values()}
