@@ -125,24 +125,29 @@ def test_a_knapsack_at_another_seed_is_another_file_and_the_default_seed_keeps_i
     assert q.Item("knapsack-gptq-ruled", size=30, seed=2).key() == {"method": "knapsack-gptq", "size": 30, "seed": 2}
 
 
-def test_the_knapsack_rows_of_the_results_keep_their_digests(monkeypatch):
-    """Every knapsack row of the 1.5B results, its config rebuilt by the driver from an Item with
-    no seed: the same digest, so a rerun skips them (a knapsack's seed must not touch them). The
-    rows were made under the six-type default menu, so they are rebuilt under it."""
+@pytest.mark.parametrize("record", ["results", "six-type"])
+def test_the_knapsack_rows_of_the_results_keep_their_digests(monkeypatch, record):
+    """Every knapsack row of the 1.5B records, its config rebuilt by the driver from its Item
+    (seed included where it has one): the same digest, so a rerun skips them. The results file holds
+    the default menu's rows (made with it named); the six-type record's rows were made under the
+    six-type default, so they are rebuilt under it."""
     from types import SimpleNamespace
 
     from voodoo_quant.tools.manifest import digest
 
     q = _bench("quality")
-    monkeypatch.setattr(q, "DEFAULT_CANDIDATES", q.SIX_TYPE_DEFAULT)
-    results = Path(__file__).resolve().parents[1] / "docs" / "results" / "qwen2.5-coder-1.5b.jsonl"
-    rows = [json.loads(ln) for ln in results.read_text().splitlines()]
+    if record == "six-type":
+        monkeypatch.setattr(q, "DEFAULT_CANDIDATES", q.SIX_TYPE_DEFAULT)
+    rows = _recorded_rows(q, record)
     knap = [r for r in rows if r["method"].startswith("knapsack")]
-    assert len(knap) >= 10 and {r["method"] for r in knap} >= {"knapsack", "knapsack-gptq", "knapsack-gptq-packed"}
+    assert len(knap) >= 10
+    if record == "six-type":
+        assert {r["method"] for r in knap} >= {"knapsack", "knapsack-gptq", "knapsack-gptq-packed"}
+    assert any("seed" in r["config"]["file"] for r in knap) and any("seed" not in r["config"]["file"] for r in knap)
     made_as = {v: k for k, v in _bench("quality_plan").LEGACY_KEYS.items()}  # "knapsack-gptq" rows: the ruled walk's
     for r in knap:
         c = r["config"]
-        item = q.Item(made_as.get(r["method"], r["method"]), size=r["size"])
+        item = q.Item(made_as.get(r["method"], r["method"]), size=r["size"], seed=c["file"].get("seed"))
         assert item.key() == c["file"]
         t = c["train"]
         cfg = SimpleNamespace(degrid_seed=c["degrid_seed"], calib=tuple(c["calib"]["domains"]),
@@ -186,13 +191,18 @@ def test_a_default_menu_row_is_not_a_row_of_the_six_type_default(tmp_path, monke
     assert then["train"]["menu"] == []
     assert digest(now) != digest(then)
     # the recorded rows of the six-type default: an empty menu is in the config their digest is of
-    recorded = [r for r in _recorded_rows(q) if "train" in r.get("config", {})]
+    recorded = [r for r in _recorded_rows(q, "six-type") if "train" in r.get("config", {})]
     assert recorded and all(digest(r["config"]) == r["digest"] for r in recorded)
     assert any(r["config"]["train"]["menu"] == [] for r in recorded)
 
 
-def _recorded_rows(q) -> list[dict]:
-    return q.store.read_rows(Path(__file__).resolve().parents[1] / "docs" / "results" / "qwen2.5-coder-1.5b.jsonl")
+def _recorded_rows(q, record: str) -> list[dict]:
+    """The 1.5B benchmark's rows: the results file (the default menu's), or the record of the
+    six-type menu that was the default before."""
+    root = Path(__file__).resolve().parents[1] / "docs"
+    path = {"results": root / "results" / "qwen2.5-coder-1.5b.jsonl",
+            "six-type": root / "lab" / "data" / "qwen2.5-coder-1.5b-menu-six.jsonl"}[record]
+    return q.store.read_rows(path)
 
 
 def test_a_damaged_run_assignment_is_one_typed_error_naming_it(tmp_path, tiny_llama_hf_dir):
