@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import shutil
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -373,7 +373,10 @@ class Ladder:
         comp = tcfg.compensation if tcfg.compensation == "none" or tcfg.compensation_sweep == _DEFAULT_SWEEP \
             else f"{tcfg.compensation}-{tcfg.compensation_sweep}"
         home = self.work if not variant else self.work / "variants" / f"{comp}-seed{tcfg.seed}"
-        key = {"menus": asdict(tcfg.menus), "kind": tcfg.sensitivity_kind, "sequences": tcfg.sensitivity_sequences}
+        # not the fill: it changes only rows that are not a multiple of 256, and a menu named equal to
+        # the default fills where the same list named under another default did not
+        key = {"menus": asdict(replace(tcfg.menus, fill=False)), "kind": tcfg.sensitivity_kind,
+               "sequences": tcfg.sensitivity_sequences}
         return home / f"{TABLE_NAME.removesuffix('.pt')}-{digest(key)[:12]}.pt"
 
     def _teacher_cache_dir(self) -> Path:
