@@ -411,6 +411,12 @@ def main(argv: list[str] | None = None) -> int:
         print(render(a.results, a.out))
         return 0
     cfg, no_report = a
+    # What the `voodoo` CLI sets for its own process before its first large tensor (huge pages for
+    # torch's CPU tensors: a training step's fresh mixtures fault in 2 MB, not 4 KB, at a time). This
+    # driver calls the library, not the CLI, so it sets them itself; the user's values win.
+    from voodoo_quant.hardware.envdefaults import apply_env_defaults, host_env_defaults
+
+    apply_env_defaults(host_env_defaults(), os.environ)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     command = shlex.join([".venv/bin/python", os.path.relpath(Path(__file__).resolve(), ROOT), *argv])
     s = Bench(cfg, command).run()
