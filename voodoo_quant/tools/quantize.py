@@ -339,11 +339,8 @@ class Ladder:
                 (run / f).unlink(missing_ok=True)
 
         def body() -> None:
-            # made once for the ladder; the trainer checks each key. The Hessians are linked, not
-            # copied: at 1.5B they are ~10 GB, one more for every size of the ladder otherwise.
-            # The shared table replaces a run's older one: a run folder last trained on other inputs
-            # (another menu) holds a table the trainer would only recompute. The trainer checks the
-            # key of the table it is given.
+            # made once for the ladder; the trainer checks each key. The shared table replaces a
+            # run's older one (left by another menu). The Hessians are linked: ~10 GB at 1.5B.
             own = run / TABLE_NAME
             if shared.is_file() and (not own.is_file() or own.stat().st_mtime_ns < shared.stat().st_mtime_ns):
                 fileio.copy_file(shared, own)
@@ -363,18 +360,15 @@ class Ladder:
                   total=tcfg.max_steps, on_stale=stale)
 
     def shared_table(self, tcfg: TrainConfig, variant: bool) -> Path:
-        """Where the ladder keeps the sensitivity table its sizes share: one per compensation (its
-        walk), seed, menus and table settings (what its key holds beyond the ladder's shared
-        inputs), so that runs alternating between them (a variant, another --candidate_types) do
-        not overwrite and recompute each other's. The table's own key still decides whether a run
-        uses it."""
+        """The sensitivity table a ladder's sizes share: one per compensation walk, seed, menus and
+        table settings, so runs alternating between them do not recompute each other's (the
+        table's own key still decides whether a run uses it)."""
         from ..training.sensitivity import TABLE_NAME  # lazy: voodoo_quant.api imports this module
 
         comp = tcfg.compensation if tcfg.compensation == "none" or tcfg.compensation_sweep == _DEFAULT_SWEEP \
             else f"{tcfg.compensation}-{tcfg.compensation_sweep}"
         home = self.work if not variant else self.work / "variants" / f"{comp}-seed{tcfg.seed}"
-        # not the fill: it changes only rows that are not a multiple of 256, and a menu named equal to
-        # the default fills where the same list named under another default did not
+        # not the fill: it changes only rows that are not a multiple of 256
         key = {"menus": asdict(replace(tcfg.menus, fill=False)), "kind": tcfg.sensitivity_kind,
                "sequences": tcfg.sensitivity_sequences}
         return home / f"{TABLE_NAME.removesuffix('.pt')}-{digest(key)[:12]}.pt"
