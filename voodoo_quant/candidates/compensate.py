@@ -172,6 +172,34 @@ class Compensation:
         return self._digest[0]
 
 
+    def digest_for(self, qtype: str | qt.QType) -> str:
+        """The cache key of `qtype`'s candidate: :attr:`digest`, with what changes only some
+        types' walk added for those types alone (a type whose walk did not change keeps its
+        candidates): the superblock types whose bytes the walk writes itself
+        (compensation_walk.writes), and the "packed" sweep's types rounded by the proxy."""
+        q = qt.get(qtype)
+        extra = ""
+        if writes_bytes(self.sweep, q):
+            extra += "|written/1"
+        if self.sweep == "packed" and _proxied(self.sweep, q):
+            from . import proxy_rounding as pr
+
+            extra += f"|proxy:{pr.settings()}"
+        return hashlib.sha256(f"{self.digest}{extra}".encode()).hexdigest() if extra else self.digest
+
+
+def writes_bytes(sweep: str, qtype: str | qt.QType) -> bool:
+    """Whether a compensated candidate of `qtype` under `sweep` is the walk's own bytes (no
+    quantization of W' after the walk: compensation_walk.writes)."""
+    q = qt.get(qtype)
+    return sweep in ("ruled", "fixed", "packed") and walk.writes(q, q.block, _proxied(sweep, q))
+
+
+def _proxied(sweep: str, q: qt.QType) -> bool:
+    """Whether the walk of `q` under `sweep` takes its rounding from the proxy (proxy_rounding.py)."""
+    return sweep == "proxy" or (sweep == "packed" and q.name in walk.PACKED_PROXY)
+
+
 def _drop_pages(a: np.ndarray) -> None:
     """Give back the pages a Hessian mapped from its file (hessian_store.load_hessians) holds in
     this process once it is read: the page cache keeps them and a later read maps them again,
@@ -257,6 +285,13 @@ def compensated_matrix(matrix: np.ndarray, qtype: str | qt.QType, imatrix: np.nd
     they are and pass no error on. With `record` (a dict; sweeps but "requant"), its
     ``"rounding"`` is set to the walk's rounding of every step (rows × n float32, NaN where a
     step was not rounded): what the walk assumed the file's values would be."""
+    return compensated(matrix, qtype, imatrix, comp, lib, record=record)[0]
+
+
+def compensated(matrix: np.ndarray, qtype: str | qt.QType, imatrix: np.ndarray | None,
+                comp: Compensation, lib=None, *, record: dict | None = None) -> tuple[np.ndarray, bytes | None]:
+    """(W', the candidate's bytes where the walk wrote them itself, else None):
+    :func:`compensated_matrix`, with the bytes of compensation_walk.writes' types."""
     import torch
 
     q = qt.get(qtype)
@@ -267,7 +302,7 @@ def compensated_matrix(matrix: np.ndarray, qtype: str | qt.QType, imatrix: np.nd
     if comp.n != n:
         raise QuantizationInputError(f"Hessian is {comp.n} × {comp.n}, the matrix has {n} columns")
     if not applies(q) or rows == 0:
-        return m
+        return m, None
     lib = lib or ggml.lib()
     B = lib.block_size(q)
     if n % B:
@@ -277,12 +312,13 @@ def compensated_matrix(matrix: np.ndarray, qtype: str | qt.QType, imatrix: np.nd
     try:
         U, dead = comp.factor()  # "requant": U; the other sweeps: M (_reversed_factor)
         if U is None:
-            return m
+            return m, None
         if comp.sweep != "requant":  # dead columns: no update reaches them, no error leaves them
             packed, ruled = {"packed": (walk.PACKED_SWEEP, walk.PACKED_RULED), "ruled": (frozenset(), walk.RULED_SWEEP),
                              "proxy": (frozenset(), walk.RULED_SWEEP)}.get(comp.sweep, (walk.PACKED, frozenset()))
-            return np.ascontiguousarray(walk.sweep_fixed(m, q, imatrix, U, dead, lib, B, packed, ruled,
-                                                         proxy=comp.sweep == "proxy", record=record))
+            out, data = walk.sweep_fixed(m, q, imatrix, U, dead, lib, B, packed, ruled,
+                                         proxy=_proxied(comp.sweep, q), record=record)
+            return np.ascontiguousarray(out), data
         W = torch.from_numpy(m.astype(np.float64))
         live = torch.from_numpy(~dead)
         step = B if q.name in WHOLE_SUPERBLOCK else min(B, walk.STEP)
@@ -301,16 +337,19 @@ def compensated_matrix(matrix: np.ndarray, qtype: str | qt.QType, imatrix: np.nd
     finally:
         torch.set_num_threads(threads)
     out[:, dead] = m[:, dead]
-    return np.ascontiguousarray(out)
+    return np.ascontiguousarray(out), None
 
 
 def quantize_compensated(matrix: np.ndarray, qtype: str | qt.QType, imatrix: np.ndarray | None,
                          comp: Compensation | None, *, lib=None, name: str = "tensor", workers: int | None = 1) -> bytes:
-    """The candidate's bytes: libggml-base's quantization of W' (of `matrix` itself when `comp`
-    is None or the type is a float type)."""
+    """The candidate's bytes: the walk's own where it writes them (compensation_walk.writes),
+    else libggml-base's quantization of W' (of `matrix` itself when `comp` is None or the type is
+    a float type)."""
     lib = lib or ggml.lib()
     if comp is not None and applies(qtype):
-        matrix = compensated_matrix(matrix, qtype, imatrix, comp, lib)
+        matrix, data = compensated(matrix, qtype, imatrix, comp, lib)
+        if data is not None:
+            return data
     return lib.quantize(np.ascontiguousarray(matrix, dtype=np.float32), qtype, imatrix, name=name, workers=workers)
 
 
