@@ -49,6 +49,8 @@ PACKED: frozenset = frozenset()
 # left 1.07x (IQ2_XXS) to 1.25x (IQ3_S) the per-step walk's layer error at 2.7x plain per menu
 # (fixed: 8.8x): the probe's rounding is as good as the file's but not the file's (a sub-block's
 # scale is coded against another ruler), so the walk passes on an error the file does not have
+# PACKED_SWEEP and PACKED_RULED name the sweep's cache key (Compensation.digest) as they did when
+# they were made; a type of PACKED_PROXY below is rounded by the proxy whichever of them holds it
 PACKED_SWEEP = frozenset({"IQ3_S", "IQ2_S", "IQ2_XXS", "IQ1_S"})
 # the "ruled" sweep's: the grid IQ types whose ruler is max s / DIV (grid_probe.RULES, checked
 # against libggml-base). IQ1_M refits its ruler over the whole superblock after coding the scales

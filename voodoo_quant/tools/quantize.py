@@ -45,6 +45,14 @@ from .variant import Variant
 
 _DEFAULT_SWEEP = TrainConfig.__dataclass_fields__["compensation_sweep"].default
 
+
+def _walk(tcfg: TrainConfig) -> str | None:
+    """The revision of the compensation walk a run's candidates come from (compensate.revision)."""
+    from ..candidates.compensate import revision  # lazy: voodoo_quant.api imports this module
+
+    return None if tcfg.compensation == "none" else revision(tcfg.compensation_sweep)
+
+
 log = logging.getLogger(__name__)
 
 IMATRIX_NAME = "imatrix.gguf"
@@ -332,6 +340,9 @@ class Ladder:
         settings = {k: v for k, v in key_dict(tcfg, OUTPUT).items() if k not in _KEYED_BY_CONTENT}
         inputs = {"teacher": self.keys["make-teacher"], "data": self.keys["data"], "imatrix": self.keys["imatrix"],
                   "train": settings}
+        walk = _walk(tcfg)
+        if walk is not None:  # this version's walk makes other candidates (steps keyed before it keep their keys)
+            inputs["walk"] = walk
         shared = self.shared_table(tcfg, variant is not None)
 
         def stale() -> None:  # the old run's journal and outputs were made from other inputs
@@ -371,6 +382,8 @@ class Ladder:
         # not the fill: it changes only rows that are not a multiple of 256
         key = {"menus": asdict(replace(tcfg.menus, fill=False)), "kind": tcfg.sensitivity_kind,
                "sequences": tcfg.sensitivity_sequences}
+        if _walk(tcfg) is not None:
+            key["walk"] = _walk(tcfg)
         return home / f"{TABLE_NAME.removesuffix('.pt')}-{digest(key)[:12]}.pt"
 
     def _teacher_cache_dir(self) -> Path:
