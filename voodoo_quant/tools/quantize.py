@@ -38,7 +38,7 @@ from .data import META_NAME, TRAIN_NAME, DataConfig, make_data
 from .data import EVAL_NAME as E
 from .ladder_display import LadderDisplay
 from .manifest import Clock, Manifests, digest
-from .quantize_config import QuantizeConfig, default_model_name  # noqa: F401  (the API's names)
+from .quantize_config import FLOOR, QuantizeConfig, default_model_name  # noqa: F401  (the API's names)
 from .variant import Variant
 
 _DEFAULT_SWEEP = TrainConfig.__dataclass_fields__["compensation_sweep"].default
@@ -54,7 +54,6 @@ def _walk(tcfg: TrainConfig) -> str | None:
 log = logging.getLogger(__name__)
 
 IMATRIX_NAME = "imatrix.gguf"
-FLOOR = "Q8_0"  # always measured: the KLD floor of every table
 # Train settings that are paths: a ladder step keys them by what they hold (teacher, data, imatrix)
 # or by where the ladder puts them (the run folder), not by their names.
 _KEYED_BY_CONTENT = ("model", "data_dir", "imatrix", "output_dir")

@@ -13,6 +13,7 @@ from ..core.errors import ConfigError
 from ..model.modeling import is_gguf
 from ..training.config import SEQ_LEN, TrainConfig
 
+FLOOR = "Q8_0"  # always measured: the KLD floor of every table
 # Fields QuantizeConfig sets itself; `train_extra` may not override them.
 _OWNED = {"model", "data_dir", "data_name", "output_dir", "output_name", "imatrix", "compression_ratio", "target_bits",
           "target_size",
