@@ -71,7 +71,7 @@ PACK_WEIGHTS = "probe"  # one of grid_probe.WEIGHT_MODES
 # libggml-base's quantization of W' again: the file holds the walk's rounding in every block (the
 # quantization again gave it back in ~75 % of 32-blocks and chose its scales anew), and the second
 # quantization's cost is gone. False: the bytes are libggml-base's quantization of W' (a measured
-# variant; bench/compensation_cost.py "fixed-requant")
+# variant; bench/compensation_cost.py "packed-requant")
 WRITE_CODES = True
 # the "packed" sweep's grid types rounded by the proxy (proxy_rounding.py), as the "proxy" sweep
 # rounds them: on the 1.5B benchmark model's tensors IQ3_XXS left 0.98x and IQ2_XXS 0.96x the
