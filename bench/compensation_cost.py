@@ -21,7 +21,10 @@ libggml-base's quantization of a probe: the step's 32 columns of 8 rows side by 
 256-wide row (compensation_walk.PACKED: every grid type; ``fixed-packmax``: rows divided by their largest
 32-column RMS, not the superblock's RMS); ``fixed-step`` quantizes every grid superblock
 again at each step (PACKED empty). Every variant but ``fixed-pack`` empties PACKED. ``fixed`` is
-the sweep as the product runs it.
+the sweep as the product runs it. A sweep name ending in ``-requant`` (``packed-requant``) has
+the superblock types' bytes quantized by libggml-base again from W' instead of written by the
+walk (compensation_walk.WRITE_CODES off); ``packed-probe`` rounds no grid type by the proxy
+(compensation_walk.PACKED_PROXY empty), ``packed-before`` neither writes nor takes the proxy.
 
     .venv/bin/python bench/compensation_cost.py --shape 1536x1536 --shape 256x8960
     .venv/bin/python bench/compensation_cost.py --shape 1536x1536 --types Q4_K,IQ2_S --sweeps fixed
@@ -43,6 +46,15 @@ GRID = ("IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M")
 MENU = ("Q8_0", "Q5_0", "Q6_K", "Q5_K", "Q4_K", "Q3_K", "Q2_K", "IQ4_XS", "IQ3_S", "IQ2_S", "IQ2_XXS", "IQ1_S")
 
 
+_CLOCK = [time.perf_counter]
+
+
+def _clock() -> float:
+    """The benchmark's clock: wall seconds, or with --cpu_time the process's CPU seconds (one
+    thread: the walk's own time, whatever else runs beside it)."""
+    return _CLOCK[0]()
+
+
 class _Timed:
     """libggml-base's quantize/dequantize with the seconds spent in them counted."""
 
@@ -53,18 +65,18 @@ class _Timed:
         return getattr(self.lib, name)
 
     def quantize(self, *a, **k):
-        t = time.perf_counter()
+        t = _clock()
         try:
             return self.lib.quantize(*a, **k)
         finally:
-            self.seconds += time.perf_counter() - t
+            self.seconds += _clock() - t
 
     def dequantize(self, *a, **k):
-        t = time.perf_counter()
+        t = _clock()
         try:
             return self.lib.dequantize(*a, **k)
         finally:
-            self.seconds += time.perf_counter() - t
+            self.seconds += _clock() - t
 
 
 def problem(rows: int, n: int, seed: int = 0, row_spread: float = 0.0):
@@ -88,6 +100,12 @@ def variant(sweep: str) -> tuple[str, dict]:
         return "fixed", {"PACKED": frozenset(GRID), "PACK_NORM": "max"}
     if sweep == "fixed-step":
         return "fixed", {"PACKED": frozenset()}
+    if sweep.endswith("-requant"):  # the superblock types' bytes quantized again from W', not written by the walk
+        return sweep[:-len("-requant")], {"WRITE_CODES": False}
+    if sweep == "packed-probe":  # no grid type rounded by the proxy
+        return "packed", {"PACKED_PROXY": frozenset()}
+    if sweep == "packed-before":  # the packed sweep before either: every byte requantized, no proxy
+        return "packed", {"WRITE_CODES": False, "PACKED_PROXY": frozenset()}
     if not sweep.startswith(("fixed-r", "fixed-k", "fixed-p")):
         return sweep, {}
     kind, arg = sweep[len("fixed-")], sweep[len("fixed-") + 1:]
@@ -104,7 +122,7 @@ def main() -> None:
 
     from voodoo_quant.candidates import compensate, compensation_walk
     from voodoo_quant.core import ggml
-    from voodoo_quant.candidates.compensate import Compensation, compensated_matrix
+    from voodoo_quant.candidates.compensate import Compensation
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", action="append", help="ROWSxN (GGUF layout); repeatable", default=None)
@@ -112,7 +130,11 @@ def main() -> None:
     ap.add_argument("--sweeps", default="requant,fixed")
     ap.add_argument("--seed", type=int, default=0, help="the random problem's seed")
     ap.add_argument("--row_spread", type=float, default=0.0, help="rows scaled by exp(N(0, this))")
+    ap.add_argument("--cpu_time", action="store_true",
+                    help="time in the process's CPU seconds (for runs beside other work), not wall seconds")
     a = ap.parse_args()
+    if a.cpu_time:
+        _CLOCK[0] = time.process_time
     torch.set_num_threads(1)
     lib = ggml.lib()
     sweeps = a.sweeps.split(",")
@@ -128,9 +150,9 @@ def main() -> None:
                 continue
             compensate.release_factors()
             comps[sw] = Compensation(H, sweep=base_sweep)
-            t = time.perf_counter()
+            t = _clock()
             comps[sw].factor()
-            print(f"# {rows} x {n}: factor of the {base_sweep} sweep {time.perf_counter() - t:.2f} s", flush=True)
+            print(f"# {rows} x {n}: factor of the {base_sweep} sweep {_clock() - t:.2f} s", flush=True)
         print(f"{'type':8} {'plain s':>8} {'s/1e9w':>8} " + " ".join(
             f"{sw + ' s':>10} {'÷plain':>7} {'in ggml':>8} {'s/1e9w':>8} {'obj÷plain':>9}" for sw in sweeps), flush=True)
 
@@ -143,9 +165,9 @@ def main() -> None:
             if n % lib.block_size(q):
                 continue
             lib.quantize(W[:1], q, vec, name="warm", workers=1)  # IQ grids initialized outside the timings
-            t = time.perf_counter()
+            t = _clock()
             lib.quantize(W, q, vec, name="bench", workers=1)
-            plain = time.perf_counter() - t
+            plain = _clock() - t
             base = objective(W, q)
             cells = []
             for sw in sweeps:
@@ -155,14 +177,15 @@ def main() -> None:
                 saved = {k: getattr(compensation_walk, k) for k in settings}
                 for k, v in settings.items():
                     setattr(compensation_walk, k, v)
-                t = time.perf_counter()
+                t = _clock()
                 try:
-                    m = compensated_matrix(W, q, vec, comps[sw], timed)
+                    m, data = compensate.compensated(W, q, vec, comps[sw], timed)
                 finally:
                     for k, v in saved.items():
                         setattr(compensation_walk, k, v)
-                data = lib.quantize(m, q, vec, name="bench", workers=1)  # the candidate's bytes
-                dt = time.perf_counter() - t
+                if data is None:  # the candidate's bytes: libggml-base's quantization of W'
+                    data = lib.quantize(m, q, vec, name="bench", workers=1)
+                dt = _clock() - t
                 deq = lib.dequantize(data, q, m.shape, name="bench")
                 e = (W - deq).astype(np.float64)
                 obj = float(np.sum((e @ H64) * e))

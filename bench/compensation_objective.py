@@ -133,12 +133,16 @@ def objective(W, Wq, H) -> float:
     return float(((E @ Ht) * E).double().sum() / ((Wt @ Ht) * Wt).double().sum())
 
 
-DEFAULTS = {"PACK_NORM": compensation_walk.PACK_NORM, "PACK_WEIGHTS": compensation_walk.PACK_WEIGHTS}
+DEFAULTS = {"PACK_NORM": compensation_walk.PACK_NORM, "PACK_WEIGHTS": compensation_walk.PACK_WEIGHTS,
+            "WRITE_CODES": compensation_walk.WRITE_CODES, "PACKED_PROXY": compensation_walk.PACKED_PROXY}
 # the packed probe's measured variants: its rows' normalization (compensation_walk.PACK_NORM) and the
 # weights its search uses (compensation_walk.PACK_WEIGHTS: "row", each row's own superblock σ²; the
 # "ruled" sweep adds the row superblock's ruler to those weights, grid_probe.py)
 VARIANTS = {"packed-max": {"PACK_NORM": "max"}, "packed-row": {"PACK_WEIGHTS": "row"},
-            "packed-max-row": {"PACK_NORM": "max", "PACK_WEIGHTS": "row"}}
+            "packed-max-row": {"PACK_NORM": "max", "PACK_WEIGHTS": "row"},
+            # the packed walk before the K-quants' bytes were written by the walk (WRITE_CODES) and
+            # IQ3_XXS and IQ2_XXS were rounded by the proxy (PACKED_PROXY)
+            "packed-before": {"WRITE_CODES": False, "PACKED_PROXY": frozenset()}}
 
 
 def base(sweep: str) -> str:
@@ -276,8 +280,9 @@ def main(argv: list[str] | None = None) -> int:
                     rec: dict = {}
 
                     def build():  # compensate.quantize_compensated, with the walk's rounding recorded
-                        Wp = (compensate.compensated_matrix(W, q, vec, comp, lib, record=rec)
-                              if comp.sweep != "requant" else compensate.compensated_matrix(W, q, vec, comp, lib))
+                        Wp, own = compensate.compensated(W, q, vec, comp, lib, record=rec if comp.sweep != "requant" else None)
+                        if own is not None:  # the walk wrote the bytes
+                            return own
                         return lib.quantize(np.ascontiguousarray(Wp, dtype=np.float32), q, vec, name=t, workers=1)
 
                     data, secs = timed(build)

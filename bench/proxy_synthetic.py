@@ -106,8 +106,9 @@ def main(argv: list[str] | None = None) -> int:
             for s in sweeps:
                 rec: dict = {}
                 t = time.process_time()
-                Wp = compensate.compensated_matrix(W, q, imx, comps[s], lib, record=rec)
-                data = lib.quantize(np.ascontiguousarray(Wp), q, imx, workers=1)
+                Wp, data = compensate.compensated(W, q, imx, comps[s], lib, record=rec)
+                if data is None:  # the candidate's bytes: libggml-base's of W', unless the walk wrote them
+                    data = lib.quantize(np.ascontiguousarray(Wp), q, imx, workers=1)
                 secs = time.process_time() - t
                 R, F = rec["rounding"].reshape(-1, 32), lib.dequantize(data, q, W.shape).reshape(-1, 32)
                 done = ~np.isnan(R).any(1)

@@ -61,6 +61,7 @@ import quality_texts as texts_mod  # noqa: E402
 from quality_plan import (BENCH_NAME, DEFAULT_METHODS, FLOOR, METHODS, SHARED_STEPS, SIZES, UNIFORM,  # noqa: E402,F401
                           BenchConfig, Item, plan)
 
+from voodoo_quant.candidates import compensate  # noqa: E402
 from voodoo_quant.candidates.compensate import DEFAULT_SWEEP  # noqa: E402
 from voodoo_quant.core import fileio  # noqa: E402
 from voodoo_quant.core.errors import VoodooError  # noqa: E402
@@ -145,6 +146,9 @@ class Bench:
                           **item.variant(c.train_extra).train}
             if d["train"].get("error_compensation") != "none":  # a file of another walk is another file
                 d["train"].setdefault("compensation_sweep", DEFAULT_SWEEP)
+                rev = compensate.revision(d["train"]["compensation_sweep"])
+                if rev is not None:  # (rows of the walk before it had revisions keep their digests)
+                    d["train"]["compensation_walk"] = rev
         return d
 
     def items(self, sizes: tuple[int, ...]) -> list:

@@ -128,7 +128,8 @@ def test_a_knapsack_at_another_seed_is_another_file_and_the_default_seed_keeps_i
 @pytest.mark.parametrize("record", ["results", "six-type"])
 def test_the_knapsack_rows_of_the_results_keep_their_digests(monkeypatch, record):
     """Every knapsack row of the 1.5B records, its config rebuilt by the driver from its Item
-    (seed included where it has one): the same digest, so a rerun skips them. The results file holds
+    (seed included where it has one, and the walk's revision: a row without one is rebuilt under
+    the walk before revisions): the same digest, so a rerun skips them. The results file holds
     the default menu's rows (made with it named); the six-type record's rows were made under the
     six-type default, so they are rebuilt under it."""
     from types import SimpleNamespace
@@ -145,8 +146,15 @@ def test_the_knapsack_rows_of_the_results_keep_their_digests(monkeypatch, record
         assert {r["method"] for r in knap} >= {"knapsack", "knapsack-gptq", "knapsack-gptq-packed"}
     assert any("seed" in r["config"]["file"] for r in knap) and any("seed" not in r["config"]["file"] for r in knap)
     made_as = {v: k for k, v in _bench("quality_plan").LEGACY_KEYS.items()}  # "knapsack-gptq" rows: the ruled walk's
+    from voodoo_quant.candidates import compensation_walk
+
+    proxy_types = compensation_walk.PACKED_PROXY
     for r in knap:
         c = r["config"]
+        # a row made before the walk had revisions (compensate.revision): rebuilt under that walk
+        legacy = "compensation_walk" not in c.get("train", {})
+        monkeypatch.setattr(compensation_walk, "WRITE_CODES", not legacy)
+        monkeypatch.setattr(compensation_walk, "PACKED_PROXY", frozenset() if legacy else proxy_types)
         item = q.Item(made_as.get(r["method"], r["method"]), size=r["size"], seed=c["file"].get("seed"))
         assert item.key() == c["file"]
         t = c["train"]

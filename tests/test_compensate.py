@@ -155,8 +155,8 @@ def test_an_in_process_build_drops_the_factors_it_kept(tmp_path, monkeypatch):
     c = Compensation(H, 0.1)
     compensate.release_factors()  # what earlier tests in this process left
     kept = []
-    real = compensate.compensated_matrix
-    monkeypatch.setattr(compensate, "compensated_matrix",
+    real = compensate.compensated
+    monkeypatch.setattr(compensate, "compensated",
                         lambda *a, **k: (kept.append(len(compensate._FACTORS)), real(*a, **k))[1])
     build_all([CandidateJob("w", "Q5_0", matrix=W, compensation=c), CandidateJob("w", "Q4_0", matrix=W, compensation=c)],
               CandidateCache(tmp_path), workers=1, progress=False)
@@ -316,7 +316,7 @@ def test_gptq_run_exports_exactly_its_training_candidates(trained_gptq, tmp_path
         monkeypatch.delenv("VOODOO_CACHE_DIR")
     else:
         monkeypatch.setenv("VOODOO_CACHE_DIR", cache_dir)
-    monkeypatch.setattr(compensate, "compensated_matrix", boom)
+    monkeypatch.setattr(compensate, "compensated", boom)
     cached = export(ExportConfig(model=d, assignment=root / "run" / "assignment.json", output_dir=tmp_path / "cached",
                                  output_name="tiny.gguf"))
     assert cached.path.read_bytes() == out.path.read_bytes()

@@ -135,14 +135,15 @@ def test_the_ruled_walk_keeps_the_contract_and_the_per_step_walks_error(ggml_lib
 
 def test_the_default_packed_walk_takes_the_ruled_walk_where_the_probe_is_unmeasured(ggml_lib):
     """Under "packed" (the default: TrainConfig's and compensate's agree), a ruled grid type outside
-    PACKED_SWEEP is walked as under "ruled" (the same W', so the same bytes), not quantized again
+    PACKED_SWEEP and PACKED_PROXY is walked as under "ruled" (the same W', so the same bytes), not quantized again
     at every step; a type of PACKED_SWEEP takes the probe's own ruler (another W')."""
     from voodoo_quant.training.config import TrainConfig
 
     assert TrainConfig.__dataclass_fields__["compensation_sweep"].default == compensate.DEFAULT_SWEEP == "packed"
     assert compensation_walk.PACKED_RULED and not compensation_walk.PACKED_RULED & compensation_walk.PACKED_SWEEP
     W, X, H, imx = _problem(rows=16, n=512, tokens=2048, seed=5)
-    for name in sorted(compensation_walk.PACKED_RULED):
+    assert compensation_walk.PACKED_RULED - compensation_walk.PACKED_PROXY  # (IQ2_XS; IQ3_XXS goes to the proxy)
+    for name in sorted(compensation_walk.PACKED_RULED - compensation_walk.PACKED_PROXY):
         m_packed = compensated_matrix(W, name, imx, Compensation(H, 0.05, "packed"))
         assert np.array_equal(m_packed, compensated_matrix(W, name, imx, Compensation(H, 0.05, "ruled"))), name
         assert not np.array_equal(m_packed, compensated_matrix(W, name, imx, Compensation(H, 0.05, "fixed"))), name

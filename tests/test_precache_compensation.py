@@ -75,7 +75,7 @@ def test_precached_compensated_candidates_are_what_train_uses(gate_model_dir, tm
         raise AssertionError("train computed what precache had built")
 
     monkeypatch.setenv("VOODOO_CACHE_DIR", str(tmp_path / "cache"))
-    for mod, fn in ((compensate, "compensated_matrix"), (hessians, "collect_passes"),
+    for mod, fn in ((compensate, "compensated"), (hessians, "collect_passes"),
                     (layer_hessians, "collect_layerwise")):
         monkeypatch.setattr(mod, fn, boom)
     res = _train(d, run)

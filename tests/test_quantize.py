@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import re
 import shutil
@@ -341,3 +343,24 @@ def test_the_ladder_keeps_one_shared_sensitivity_table_per_menu_not_per_size(tin
     seeded = table(variant=Variant("s1", {"seed": 1}))
     assert seeded != base and seeded.parent.parent.name == "variants" and seeded.parent.name.endswith("-seed1")
     assert table(variant=Variant("s1", {"seed": 1}), candidate_types=("Q8_0", "Q4_0")) != seeded
+
+
+def test_a_new_compensation_walk_trains_again_with_a_table_of_its_own(tiny_llama_hf_dir, tmp_path, monkeypatch):
+    """Another version's walk (compensate.revision) makes other candidates from the same inputs:
+    the sensitivity table is another file, and the train step's inputs change, so the ladder does
+    not keep a file trained on candidates the cache no longer holds. Without compensation the walk
+    is not in either; a walk before revisions keeps the keys it had."""
+    from voodoo_quant.candidates import compensation_walk
+    from voodoo_quant.tools import quantize as qz
+
+    ladder = qz.Ladder(_cfg(tiny_llama_hf_dir, tmp_path, tmp_path / "out"), None, None)
+    tcfg = ladder.cfg.train_config(60, tiny_llama_hf_dir, tmp_path, None, tmp_path / "run")
+    assert tcfg.compensation != "none" and qz._walk(tcfg) is not None
+    now = ladder.shared_table(tcfg, False)
+    monkeypatch.setattr(compensation_walk, "WRITE_CODES", False)
+    monkeypatch.setattr(compensation_walk, "PACKED_PROXY", frozenset())
+    assert qz._walk(tcfg) is None
+    assert ladder.shared_table(tcfg, False) != now
+    monkeypatch.undo()
+    plain = dataclasses.replace(tcfg, error_compensation="none")
+    assert qz._walk(plain) is None

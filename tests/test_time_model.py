@@ -136,6 +136,9 @@ def test_compensated_jobs_add_the_walk_and_the_factors():
     r = _rates()
     extra = r.comp_weight["Q4_K"] * 256 * 512 + r.comp_step["Q4_K"] * 512 / 32 + 256 * 512 ** 2 / r.gemm1
     assert tm.job_seconds(comp, r) == pytest.approx(tm.job_seconds(plain, r) + extra)
+    # a type whose bytes the walk writes pays the walk alone (its superblocks quantized inside it)
+    assert tm.job_seconds(comp, dataclasses.replace(r, written=("Q4_K",))) == pytest.approx(extra)
+    assert tm.job_seconds(plain, dataclasses.replace(r, written=("Q4_K",))) == tm.job_seconds(plain, r)
     without, _ = tm.candidate_seconds([comp], r, [], 1)
     with_factor, _ = tm.candidate_seconds([comp], r, [1024], 1)
     assert with_factor - without == pytest.approx(1024 ** 3 / 3 / r.chol)  # at the probe's width, its rate

@@ -190,3 +190,23 @@ def test_journal_refuses_gates_of_candidates_compensated_from_other_hessians(tmp
         journal.load(p, expect_hash="h", expect_names={"w"}, expect_compensation=other)
     with pytest.raises(JournalMismatchError, match="no error compensation"):
         journal.load(p, expect_hash="h", expect_names={"w"}, expect_compensation=journal.compensation_of(None))
+    # the same inputs, another version's walk (compensate.revision): other candidates
+    walked = journal.compensation_of({**rec, "walk": "written/1"})
+    with pytest.raises(JournalMismatchError, match="walk written/1.*other candidates from the same inputs"):
+        journal.load(p, expect_hash="h", expect_names={"w"}, expect_compensation=walked)
+
+
+def test_a_run_records_the_walk_its_candidates_come_from(monkeypatch):
+    """The provenance and the journal name the walk's revision; a walk without one (the sweep's
+    name said it all) records none, so journals written before revisions still resume on it."""
+    from voodoo_quant.candidates import compensate, compensation_walk, proxy_rounding
+    from voodoo_quant.training import journal
+
+    assert compensate.revision("packed") == f"written/1|proxy=IQ2_XXS,IQ3_XXS:{proxy_rounding.VERSION}"
+    assert compensate.revision("requant") is None and compensate.revision("ruled") == "written/1"
+    rec = {"method": "gptq", "damp": 0.1, "key": "k", "walk": compensate.revision("packed")}
+    assert journal.compensation_of(rec)["walk"] == rec["walk"]
+    monkeypatch.setattr(compensation_walk, "WRITE_CODES", False)
+    monkeypatch.setattr(compensation_walk, "PACKED_PROXY", frozenset())
+    assert compensate.revision("packed") is None
+    assert "walk" not in journal.compensation_of({**rec, "walk": None})

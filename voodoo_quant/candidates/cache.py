@@ -49,7 +49,7 @@ class CacheKey:
     qtype: str
     imatrix: str | None  # sha256 of the float32 imatrix vector, None = quantized without one
     lib_version: str
-    # Compensation.digest when the quantizer was given the error-compensated matrix
+    # Compensation.digest_for(qtype) when the quantizer was given the error-compensated matrix
     # (compensate.py); None = the matrix itself, and the key's digest is what it always was.
     compensation: str | None = None
 
@@ -112,7 +112,7 @@ class CandidateCache:
             qtype=q.name,
             imatrix=vector_hash(imatrix),
             lib_version=version if version is not None else lib_version(),
-            compensation=compensation.digest if compensation is not None and applies(q) else None,
+            compensation=compensation.digest_for(q) if compensation is not None and applies(q) else None,
         )
 
     def entry_dir(self, key: CacheKey) -> Path:

@@ -2,10 +2,12 @@
 rounding error is absorbed by the columns not yet quantized (GPTQ's update, with libggml-base's
 own quantizer as the rounding oracle).
 
-A candidate stays what the product's contract says it is: the bytes libggml-base's
-``ggml_quantize_chunk`` writes for a float32 matrix, with the run's imatrix vector. With
-compensation that matrix is not the checkpoint's weight W but W', built block by block along the
-row (columns in GGUF order):
+A candidate stays what the product's contract says it is: bytes of libggml-base's format whose
+values the training, the bake and llama.cpp all read alike. Without compensation they are what
+``ggml_quantize_chunk`` writes for the float32 weight W, with the run's imatrix vector. With
+compensation they are its bytes for W', built block by block along the row (columns in GGUF
+order), or, for the superblock types whose codes the walk rounds itself, that quantization's
+scales with the walk's codes written in (below):
 
     for each step of columns (see below):
         Q   = to_float(quantize(W'[:, the block holding the step]))[:, step]   # the quantizer's rounding
@@ -22,8 +24,13 @@ superblock. How the step's rounding Q is obtained is the sweep (:attr:`Compensat
 - ``"ruled"`` (:func:`compensation_walk.sweep_fixed`): a 32-block is quantized by libggml-base as
   the walk reaches it. A superblock of :data:`fixed_rounding.SWEEP_TYPES` (K-quants, IQ4_XS) is
   quantized once, when the walk reaches it; its later steps are rounded in torch with that
-  quantization's scales held fixed, and W' holds the rounded values (values its scales represent,
-  which libggml-base quantizes back to nearly themselves, so the error passed on is the file's).
+  quantization's scales held fixed, W' holds the rounded values, and the candidate's bytes are
+  that quantization with the walk's codes written in (quants/recode.py,
+  :data:`compensation_walk.WRITE_CODES`): the file holds the walk's rounding to the bit, so the
+  error passed on is the file's, and no quantization of W' follows the walk. (Quantizing W'
+  again gave back the walk's values in 83–99 % of 32-blocks on the 1.5B benchmark model's layer 1
+  and chose its scales anew; the written bytes leave 0.92–0.97× its layer error per type, at one
+  plain quantization's time less: docs/lab/2026-12-07-written-codes.md.)
   A grid IQ superblock (IQ1–IQ3, :data:`compensation_walk.RULED_SWEEP`) is quantized once when the
   walk reaches it (its first step's rounding); each later step's grid points come from
   libggml-base on a probe holding the step's columns of 8 rows side by side as one superblock,
@@ -38,9 +45,10 @@ superblock. How the step's rounding Q is obtained is the sweep (:attr:`Compensat
   libggml-base call on the whole superblock for each of its 8 steps (measured with a fixed-scale
   oracle instead: 8–36 % more layer error; requantizing every 2nd–8th step only, 8–37 %).
 - ``"packed"`` (the default): as ``"ruled"``, but each step of a grid IQ type of
-  :data:`compensation_walk.PACKED_SWEEP` (IQ3_S, IQ2_S, IQ2_XXS, IQ1_S) is rounded by the probe
-  with the imatrix slice repeated (the probe's σ²) and the probe's own scale ruler; the other
-  ruled grid types (:data:`compensation_walk.PACKED_RULED`) are walked as under ``"ruled"``.
+  :data:`compensation_walk.PACKED_SWEEP` (IQ3_S, IQ2_S, IQ1_S) is rounded by the probe
+  with the imatrix slice repeated (the probe's σ²) and the probe's own scale ruler; the types of
+  :data:`compensation_walk.PACKED_PROXY` (IQ3_XXS, IQ2_XXS) are walked as ``"proxy"`` walks them
+  (below); IQ2_XS (:data:`compensation_walk.PACKED_RULED`) as under ``"ruled"``.
   2.4–3.0× a plain candidate, and 4–75 % more layer error than ``"fixed"`` on real tensors (the
   probe's rounding is as good as the file's but not the file's); but the files' KLD on the 1.5B
   benchmark model is the same as the ruled walk's within noise at two sizes and two eval texts,
@@ -65,8 +73,10 @@ superblock. How the step's rounding Q is obtained is the sweep (:attr:`Compensat
   SmolLM2-135M's ffn_down, 0.69–0.72× the error of 32-column steps for Q5_K,
   ``bench/compensation_step.py``). 7–11× a plain candidate for most superblock types.
 
-The final bytes are the quantizer's for the whole rows of W', so training, bake and export all see
-the same bytes. :func:`compensated_matrix` is deterministic (one thread); export reads the
+The final bytes are the quantizer's for the whole rows of W' (or, for the types the walk writes,
+its codes at the quantizer's scales), so training, bake and export all see the same bytes. A
+type's candidates are keyed by :meth:`Compensation.digest_for`: a change to one type's walk
+leaves every other type's cached candidates valid. :func:`compensated_matrix` is deterministic (one thread); export reads the
 candidate from the cache, or computes it again and checks it against the sha256 the assignment
 recorded (tools/export.py).
 """
@@ -172,6 +182,48 @@ class Compensation:
         return self._digest[0]
 
 
+    def digest_for(self, qtype: str | qt.QType) -> str:
+        """The cache key of `qtype`'s candidate: :attr:`digest`, with what changes only some
+        types' walk added for those types alone (a type whose walk did not change keeps its
+        candidates): the superblock types whose bytes the walk writes itself
+        (compensation_walk.writes), and the "packed" sweep's types rounded by the proxy."""
+        q = qt.get(qtype)
+        extra = ""
+        if writes_bytes(self.sweep, q):
+            extra += "|written/1"
+        if self.sweep == "packed" and _proxied(self.sweep, q):
+            from . import proxy_rounding as pr
+
+            extra += f"|proxy:{pr.settings()}"
+        return hashlib.sha256(f"{self.digest}{extra}".encode()).hexdigest() if extra else self.digest
+
+
+def revision(sweep: str) -> str | None:
+    """What `sweep`'s walk does beyond the sweep's name, for a record of a file made with it
+    (bench rows): the written bytes and the packed sweep's proxy types; None for neither (the
+    walk as the sweep's name alone described it before)."""
+    parts = []
+    if sweep in ("ruled", "fixed", "packed") and walk.WRITE_CODES:
+        parts.append("written/1")
+    if sweep == "packed" and walk.PACKED_PROXY:
+        from . import proxy_rounding as pr
+
+        parts.append(f"proxy={','.join(sorted(walk.PACKED_PROXY))}:{pr.VERSION}")
+    return "|".join(parts) or None
+
+
+def writes_bytes(sweep: str, qtype: str | qt.QType) -> bool:
+    """Whether a compensated candidate of `qtype` under `sweep` is the walk's own bytes (no
+    quantization of W' after the walk: compensation_walk.writes)."""
+    q = qt.get(qtype)
+    return sweep in ("ruled", "fixed", "packed") and walk.writes(q, q.block, _proxied(sweep, q))
+
+
+def _proxied(sweep: str, q: qt.QType) -> bool:
+    """Whether the walk of `q` under `sweep` takes its rounding from the proxy (proxy_rounding.py)."""
+    return sweep == "proxy" or (sweep == "packed" and q.name in walk.PACKED_PROXY)
+
+
 def _drop_pages(a: np.ndarray) -> None:
     """Give back the pages a Hessian mapped from its file (hessian_store.load_hessians) holds in
     this process once it is read: the page cache keeps them and a later read maps them again,
@@ -257,6 +309,13 @@ def compensated_matrix(matrix: np.ndarray, qtype: str | qt.QType, imatrix: np.nd
     they are and pass no error on. With `record` (a dict; sweeps but "requant"), its
     ``"rounding"`` is set to the walk's rounding of every step (rows × n float32, NaN where a
     step was not rounded): what the walk assumed the file's values would be."""
+    return compensated(matrix, qtype, imatrix, comp, lib, record=record)[0]
+
+
+def compensated(matrix: np.ndarray, qtype: str | qt.QType, imatrix: np.ndarray | None,
+                comp: Compensation, lib=None, *, record: dict | None = None) -> tuple[np.ndarray, bytes | None]:
+    """(W', the candidate's bytes where the walk wrote them itself, else None):
+    :func:`compensated_matrix`, with the bytes of compensation_walk.writes' types."""
     import torch
 
     q = qt.get(qtype)
@@ -267,7 +326,7 @@ def compensated_matrix(matrix: np.ndarray, qtype: str | qt.QType, imatrix: np.nd
     if comp.n != n:
         raise QuantizationInputError(f"Hessian is {comp.n} × {comp.n}, the matrix has {n} columns")
     if not applies(q) or rows == 0:
-        return m
+        return m, None
     lib = lib or ggml.lib()
     B = lib.block_size(q)
     if n % B:
@@ -277,12 +336,13 @@ def compensated_matrix(matrix: np.ndarray, qtype: str | qt.QType, imatrix: np.nd
     try:
         U, dead = comp.factor()  # "requant": U; the other sweeps: M (_reversed_factor)
         if U is None:
-            return m
+            return m, None
         if comp.sweep != "requant":  # dead columns: no update reaches them, no error leaves them
             packed, ruled = {"packed": (walk.PACKED_SWEEP, walk.PACKED_RULED), "ruled": (frozenset(), walk.RULED_SWEEP),
                              "proxy": (frozenset(), walk.RULED_SWEEP)}.get(comp.sweep, (walk.PACKED, frozenset()))
-            return np.ascontiguousarray(walk.sweep_fixed(m, q, imatrix, U, dead, lib, B, packed, ruled,
-                                                         proxy=comp.sweep == "proxy", record=record))
+            out, data = walk.sweep_fixed(m, q, imatrix, U, dead, lib, B, packed, ruled,
+                                         proxy=_proxied(comp.sweep, q), record=record)
+            return np.ascontiguousarray(out), data
         W = torch.from_numpy(m.astype(np.float64))
         live = torch.from_numpy(~dead)
         step = B if q.name in WHOLE_SUPERBLOCK else min(B, walk.STEP)
@@ -301,16 +361,19 @@ def compensated_matrix(matrix: np.ndarray, qtype: str | qt.QType, imatrix: np.nd
     finally:
         torch.set_num_threads(threads)
     out[:, dead] = m[:, dead]
-    return np.ascontiguousarray(out)
+    return np.ascontiguousarray(out), None
 
 
 def quantize_compensated(matrix: np.ndarray, qtype: str | qt.QType, imatrix: np.ndarray | None,
                          comp: Compensation | None, *, lib=None, name: str = "tensor", workers: int | None = 1) -> bytes:
-    """The candidate's bytes: libggml-base's quantization of W' (of `matrix` itself when `comp`
-    is None or the type is a float type)."""
+    """The candidate's bytes: the walk's own where it writes them (compensation_walk.writes),
+    else libggml-base's quantization of W' (of `matrix` itself when `comp` is None or the type is
+    a float type)."""
     lib = lib or ggml.lib()
     if comp is not None and applies(qtype):
-        matrix = compensated_matrix(matrix, qtype, imatrix, comp, lib)
+        matrix, data = compensated(matrix, qtype, imatrix, comp, lib)
+        if data is not None:
+            return data
     return lib.quantize(np.ascontiguousarray(matrix, dtype=np.float32), qtype, imatrix, name=name, workers=workers)
 
 

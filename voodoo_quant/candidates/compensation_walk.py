@@ -21,6 +21,7 @@ import numpy as np
 
 from ..core import qtypes as qt
 from ..core.errors import QuantizationInputError
+from ..quants import recode
 from . import grid_probe
 
 LAZY = 128  # columns of a 32-block type updated together before the rest of the row (one GEMM)
@@ -48,6 +49,8 @@ PACKED: frozenset = frozenset()
 # left 1.07x (IQ2_XXS) to 1.25x (IQ3_S) the per-step walk's layer error at 2.7x plain per menu
 # (fixed: 8.8x): the probe's rounding is as good as the file's but not the file's (a sub-block's
 # scale is coded against another ruler), so the walk passes on an error the file does not have
+# PACKED_SWEEP and PACKED_RULED name the sweep's cache key (Compensation.digest) as they did when
+# they were made; a type of PACKED_PROXY below is rounded by the proxy whichever of them holds it
 PACKED_SWEEP = frozenset({"IQ3_S", "IQ2_S", "IQ2_XXS", "IQ1_S"})
 # the "ruled" sweep's: the grid IQ types whose ruler is max s / DIV (grid_probe.RULES, checked
 # against libggml-base). IQ1_M refits its ruler over the whole superblock after coding the scales
@@ -62,13 +65,35 @@ PACK_NORM = "rms"  # a probe row's norm: its superblock's RMS ("max": its larges
 # probe superblock's σ², not the row's); "row", each position weighted as its row's own superblock
 # would weigh it, so the probe's grid choice is the row's
 PACK_WEIGHTS = "probe"  # one of grid_probe.WEIGHT_MODES
+# the "ruled", "fixed" and "packed" sweeps' superblocks of the types quants/recode.py writes (the
+# K-quants, IQ4_XS): the candidate's bytes are the walk's codes written into the quantization
+# each superblock had when the walk reached it (its scales, the codes each step rounded to), not
+# libggml-base's quantization of W' again: the file holds the walk's rounding in every block (the
+# quantization again gave it back in 83-99 % of 32-blocks on the 1.5B model's layer 1 and chose its
+# scales anew), and the second quantization's cost is gone. False: the bytes are libggml-base's quantization of W' (a measured
+# variant; bench/compensation_cost.py "packed-requant")
+WRITE_CODES = True
+# the "packed" sweep's grid types rounded by the proxy (proxy_rounding.py), as the "proxy" sweep
+# rounds them: on the 1.5B benchmark model's tensors IQ3_XXS left 0.98x and IQ2_XXS 0.96x the
+# ruled walk's layer error (the probe: 1.00x and 1.02x) at 1.67x and 1.96x a plain candidate's
+# time (ruled 2.99x, 3.17x), docs/lab/2026-12-07-proxy-grid-types.md. The other grid types'
+# proxies cost more than the probe on one CPU thread (IQ1_S 4.7x, IQ2_S 2.8x, IQ3_S 2.7x)
+PACKED_PROXY = frozenset({"IQ3_XXS", "IQ2_XXS"})
+
+
+def writes(q: qt.QType, B: int, proxy: bool = False) -> bool:
+    """Whether the walk of `q` (blocks of `B`) writes the candidate's bytes itself (WRITE_CODES)."""
+    from . import fixed_rounding
+
+    return bool(WRITE_CODES) and B > STEP and not proxy and q.name in fixed_rounding.SWEEP_TYPES and recode.supports(q)
 
 
 def sweep_fixed(m: np.ndarray, q: qt.QType, imatrix, M, dead, lib, B: int,
                 packed: frozenset = frozenset(), ruled: frozenset = frozenset(), *, proxy: bool = False,
-                record: dict | None = None) -> np.ndarray:
+                record: dict | None = None) -> tuple[np.ndarray, bytes | None]:
     """The "ruled", "fixed" and "packed" sweeps, in float32: W' for `m` with the error of every 32
-    columns passed on.
+    columns passed on, and the candidate's bytes where the walk wrote them (:func:`writes`; else
+    None: the bytes are libggml-base's quantization of W').
 
     A superblock type of :data:`fixed_rounding.SWEEP_TYPES` (the K-quants, IQ4_XS) is quantized
     by libggml-base once per superblock, when the walk reaches it; its first 32-column step takes
@@ -127,6 +152,8 @@ def sweep_fixed(m: np.ndarray, q: qt.QType, imatrix, M, dead, lib, B: int,
     vt = proxy_rounding.as_vector(vec, W0.device) if proxy else None
     held = proxy and grid and proxy_rounding.holds(q)  # W' holds values libggml gives back
     hold = hold or held
+    write = writes(q, B, proxy)
+    blocks = np.empty((rows, n // B, q.type_size), dtype=np.uint8) if write else None  # the bytes, a superblock at a time
     rec = None
     if record is not None:
         rec = torch.full((rows, n), float("nan"), dtype=torch.float32)
@@ -158,7 +185,7 @@ def sweep_fixed(m: np.ndarray, q: qt.QType, imatrix, M, dead, lib, B: int,
                         ruler = proxy_rounding.grid_proxy(W[:, b0:b0 + B], q, None if vt is None else vt[g0 + b0:g0 + b0 + B])
                     Qs = ruler.round(c0 - b0, W[:, b0:b0 + B])
                 elif scales is not None and (fixed or (c0 - b0) // step not in steps):
-                    Qs = scales.round(W[:, c0:c1], c0 - b0, c1 - b0)
+                    Qs = scales.round(W[:, c0:c1], c0 - b0, c1 - b0, keep=write)
                 elif pack and ruled and c0 == b0:  # the walk reaches the superblock: quantized as it stands
                     ruler = grid_probe.SuperblockRuler(W[:, b0:b0 + B], q, None if vg is None else vg[b0:b0 + B], lib)
                     Qs = ruler.first[:, :step]
@@ -189,10 +216,12 @@ def sweep_fixed(m: np.ndarray, q: qt.QType, imatrix, M, dead, lib, B: int,
                 Q[:, c0:c1] = Qs
                 if rec is not None:
                     rec[:, g0 + c0:g0 + c1] = Qs
+            if write:
+                blocks[:, g0 // B] = np.frombuffer(scales.written(), dtype=np.uint8).reshape(rows, q.type_size)
         out[:, g0:g1] = W
         if g1 < n:
             out[:, g1:] += ((W0[:, g0:g1] - Q) * live[g0:g1]) @ M[g0:g1, g1:]
-    return out.numpy()
+    return out.numpy(), (blocks.tobytes() if write else None)
 
 
 def _superblock_passes(start, q: qt.QType, v, U, live, lib, passes: int, rnd: bool):

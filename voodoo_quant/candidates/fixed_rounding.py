@@ -19,8 +19,10 @@ bit-exact dequant kernels' :class:`~voodoo_quant.quants.affine.Affine` form):
 - IQ1_S / IQ1_M: the grid entry (values −1, 0, 1) nearest to the values minus the sub-block's
   delta (±1/8), weighted by the imatrix.
 
-The codes are only the walk's estimate of the rounding; the candidate's bytes are always
-libggml-base's quantization of the final matrix.
+For the types :mod:`~voodoo_quant.quants.recode` writes (the K-quants and IQ4_XS), the codes a
+walk rounds to are kept (:meth:`FixedScales.round` with ``keep``) and :meth:`FixedScales.written`
+returns the quantization's bytes with them in place: the candidate's bytes, whose values are the
+walk's rounding to the bit. For the grid types the codes are only the walk's estimate.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import numpy as np
 import torch
 
 from ..core import qtypes as qt
-from ..quants import decompose
+from ..quants import decompose, recode
 from ..quants.grids import table
 
 # code range of the integer-coded superblock types (ggml-quants.c, quantize_row_q*_K_ref)
@@ -74,15 +76,18 @@ class FixedScales:
         self.scale = a.scale.unsqueeze(-1).expand(code.shape).reshape(self.rows, self.width)
         self.offset = None if a.offset is None else a.offset.unsqueeze(-1).expand(code.shape).reshape(self.rows, self.width)
         code = code.reshape(self.rows, self.width)
+        self._data = data
+        self.codes = code.to(torch.int16)  # the quantization's codes, then what round(keep=True) chose
         self.delta = None
         if q.name in _GRID and _GRID[q.name][2] == "delta":
             g = code / 8.0  # IQ1: code = 8 · (grid + delta), grid integer, delta = ±1/8 (quants/iquants.py)
             self.delta = g - torch.round(g)
         self.weight = None if imatrix is None else torch.as_tensor(np.asarray(imatrix, dtype=np.float32), device=device)
 
-    def round(self, x: torch.Tensor, c0: int, c1: int) -> torch.Tensor:
+    def round(self, x: torch.Tensor, c0: int, c1: int, *, keep: bool = False) -> torch.Tensor:
         """The values columns c0:c1 of `x` (rows × (c1 − c0), float32) would take: scale · code
-        (+ offset), with the code the type can store nearest to them."""
+        (+ offset), with the code the type can store nearest to them. With `keep`, those codes
+        replace the quantization's in :attr:`codes` (where the sub-block's scale is not zero)."""
         s = self.scale[:, c0:c1]
         o = None if self.offset is None else self.offset[:, c0:c1]
         live = s != 0
@@ -96,10 +101,19 @@ class FixedScales:
         else:
             w = None if self.weight is None else self.weight[c0:c1]
             code = self._grid(y, c0, c1, w)
+        if keep:
+            self.codes[:, c0:c1] = torch.where(live, code.to(torch.int16), self.codes[:, c0:c1])
         out = s * code
         if o is not None:
             out = out + o
         return torch.where(live, out, torch.zeros_like(out) if o is None else o)
+
+    def written(self) -> bytes:
+        """The quantization's bytes with :attr:`codes` written into them (recode.py): dequantized,
+        every column :meth:`round` kept holds its rounding to the bit, every other the
+        quantization's own value."""
+        blocks = torch.frombuffer(bytearray(self._data), dtype=torch.uint8).view(-1, self.q.type_size)
+        return recode.recode(blocks, self.q, self.codes.reshape(blocks.shape[0], -1)).numpy().tobytes()
 
     def _grid(self, y: torch.Tensor, c0: int, c1: int, w: torch.Tensor | None) -> torch.Tensor:
         table, glen, signs = _GRID[self.q.name]

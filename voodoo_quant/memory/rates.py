@@ -18,7 +18,7 @@ that the rate per weight or per flop does not depend on their size:
 * **dequantization** per type, one thread (the sensitivity pass and the student build read every
   candidate back through libggml-base's ``to_float``);
 * **error compensation** (``--error_compensation gptq``) per type: the walk that gives W'
-  (``candidates/compensate.compensated_matrix``, the run's sweep and damping) on 32 × 512 and
+  (``candidates/compensate.compensated``, the run's sweep and damping) on 32 × 512 and
   128 × 512 matrices with a seeded Hessian, its factor computed beforehand. The two sizes separate
   the seconds per weight from the seconds per 32-column step (Python's share, which the real
   tensors' 256 to 151,936 rows amortize); the walk's product ``rows · n²`` (float32, one thread)
@@ -100,6 +100,7 @@ class Rates:
     threads: int = 1  # torch's threads (the forward passes)
     workers: int = 1  # VOODOO_QUANT_WORKERS
     derived: tuple[str, ...] = ()  # the types priced from IQ2_XXS by DERIVED, not probed
+    written: tuple[str, ...] = ()  # the types whose compensated bytes the walk writes (no quantization after it)
     seconds: float = 0.0  # what the probe took
 
     def quant_rate(self, qtype: str, imatrix: bool = True) -> float:
@@ -236,7 +237,7 @@ def compensation_rates(types: Iterable[str], sweep: str, damp: float, gemm1: flo
             secs = []
             for rows in COMP_ROWS:
                 w = probe_matrix(rows, seed=_SEED + rows)
-                s = _best(lambda: compensate.compensated_matrix(w, t, vec, comp, lib), reps=1)
+                s = _best(lambda: compensate.compensated(w, t, vec, comp, lib), reps=1)
                 secs.append(max(0.0, s - rows * PROBE_N ** 2 / gemm1))
             (r0, r1), (s0, s1) = COMP_ROWS, secs
             a = max(0.0, (s1 - s0) / ((r1 - r0) * PROBE_N))
@@ -296,7 +297,9 @@ def probe(types: Iterable[str], *, hidden: int, intermediate: int, compensation:
         cw.pop(t)
         cs.pop(t)
     sha, cp = byte_rates()
+    written = tuple(sorted(t for t in cw if compensate.writes_bytes(sweep, t)))
     return Rates(quant=q, dequant=dequant_rates(types, lib), bare=bare, comp_weight=cw, comp_step=cs, gemm=gemm, gemm1=gemm1,
+                 written=written,
                  chol=chol, parallel=par, sha256=sha, copy=cp, curvature=curvature_rate(rungs),
                  threads=torch.get_num_threads(), workers=workers, derived=derived,
                  seconds=time.perf_counter() - t0)

@@ -26,7 +26,8 @@ The stages, as ``Trainer.prepare`` and the method run them (one process, the CPU
   and each distinct layer input its Cholesky factor (:func:`factor_seconds`) once per worker
   that builds one of its tensors (``min(workers, types)``: a worker keeps a factor for a tensor's
   next type, compensate.FACTOR_CACHE_BYTES); the grid setup of every IQ type each worker runs
-  (:data:`GRID_SETUP_S`); the parent's pass over every weight (copy to GGUF layout, sha256) before
+  (:data:`GRID_SETUP_S`); a compensated job whose bytes the walk writes (``Rates.written``)
+  pays no quantization beyond the walk's own; the parent's pass over every weight (copy to GGUF layout, sha256) before
   the pool starts. Candidates found in the cache (:func:`cached_candidates`) are not built. A
   ``--method gates`` run with the guarantee adds its references' off-menu types, each a plain
   candidate whatever the run's compensation (training/guarantee.py).
@@ -232,9 +233,10 @@ class Job:
 def job_seconds(job: Job, rates: Rates) -> float:
     """One thread's seconds for one candidate (the factor not included)."""
     numel = job.rows * job.n
-    s = numel / rates.quant_rate(job.qtype, job.imatrix)
-    if job.compensated and applies(job.qtype):
-        t = qt.get(job.qtype).name
+    t = qt.get(job.qtype).name
+    walked = job.compensated and applies(job.qtype)
+    s = 0.0 if walked and t in rates.written else numel / rates.quant_rate(job.qtype, job.imatrix)  # written: the walk's bytes
+    if walked:
         s += (rates.comp_weight[t] * numel + rates.comp_step[t] * job.n / STEP
               + job.rows * float(job.n) ** 2 / rates.gemm1)
     return s

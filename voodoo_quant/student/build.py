@@ -410,8 +410,8 @@ def candidate_bytes(
     for t in plan.menu.types:
         q = qt.get(t)
         use = vec if vec is not None and not q.is_float else None
-        src = compensate.compensated_matrix(m, q, use, comp) if comp is not None and applies(q) else m
-        out.append(quantize(src, t, use, plan.name))
+        src, data = compensate.compensated(m, q, use, comp) if comp is not None and applies(q) else (m, None)
+        out.append(data if data is not None else quantize(src, t, use, plan.name))  # data: the walk wrote the bytes
     return out
 
 

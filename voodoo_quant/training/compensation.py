@@ -13,7 +13,7 @@ from typing import Sequence
 import torch
 import torch.nn as nn
 
-from ..candidates.compensate import Compensation, compensations
+from ..candidates.compensate import Compensation, compensations, revision
 from ..candidates.hessian_store import load_hessians, read_key, write_hessians
 from ..candidates.hessian_store import FILE as HESSIANS_FILE
 from ..core import fileio
@@ -57,6 +57,9 @@ def ensure(cfg, base: nn.Module, plans: Sequence, tokens: torch.Tensor, *, weigh
     if main:
         record = {"method": cfg.compensation, "damp": float(cfg.compensation_damp), "sweep": cfg.compensation_sweep,
                   "key": key, "hessians": str(path.resolve()), "sha256": fileio.sha256_file(path), "tensors": len(hs)}
+        walk = revision(cfg.compensation_sweep)
+        if walk is not None:  # what the sweep's walk does beyond its name (candidates/compensate.revision)
+            record["walk"] = walk
     if tp is not None:  # one hash of a file that may be tens of GB, not one per rank
         record = tp.all_gather_object(record)[0]
     return compensations(hs, cfg.compensation_damp, cfg.compensation_sweep), record

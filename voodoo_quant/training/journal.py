@@ -47,13 +47,17 @@ def compensation_of(record: dict[str, Any] | None) -> dict[str, Any]:
     (``training/compensation.ensure``; None: no compensation): what a resume must find unchanged."""
     if not record:
         return {"method": "none"}
-    return {"method": str(record["method"]), "damp": float(record["damp"]), "hessians": str(record["key"])}
+    out = {"method": str(record["method"]), "damp": float(record["damp"]), "hessians": str(record["key"])}
+    if record.get("walk"):  # the walk's revision (candidates/compensate.revision): other candidates
+        out["walk"] = str(record["walk"])
+    return out
 
 
 def _describe(c: dict[str, Any]) -> str:
     if c.get("method") == "none":
         return "no error compensation"
-    return f"error compensation {c.get('method')} (damp {c.get('damp')}, Hessians of inputs {c.get('hessians')})"
+    walk = f", walk {c['walk']}" if c.get("walk") else ""
+    return f"error compensation {c.get('method')} (damp {c.get('damp')}, Hessians of inputs {c.get('hessians')}{walk})"
 
 
 def to_cpu(obj: Any) -> Any:
@@ -124,6 +128,8 @@ def load(path: Path, *, expect_hash: str, expect_names: set[str], expect_compens
                     "older versions resolved it to none under tensor parallelism)")
         elif state.compensation.get("hessians") != expect_compensation.get("hessians"):
             hint = " (the Hessians come from other inputs: other weights or other calibration text)"
+        elif state.compensation.get("walk") != expect_compensation.get("walk"):
+            hint = " (this version's compensation walk makes other candidates from the same inputs)"
         raise JournalMismatchError(
             f"journal {path} holds gates trained on candidates with {_describe(state.compensation)}; this run's "
             f"candidates have {_describe(expect_compensation)}{hint}: rerun with the journal's compensation, "

@@ -167,7 +167,8 @@ def table_key(plans: Sequence, tokens: torch.Tensor, model: str, *, weights_sha2
     h.update(f"seed {seed}".encode())
     comp = getattr(vectors, "compensation", None)  # compensated candidates are other candidates
     if comp:
-        h.update(json.dumps(sorted((n, c.digest) for n, c in comp.items())).encode())
+        h.update(json.dumps(sorted((p.name, [comp[p.name].digest_for(t) for t in p.menu.types])
+                                   for p in plans if p.name in comp)).encode())
     return h.hexdigest()[:16]
 
 
