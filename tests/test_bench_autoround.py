@@ -8,7 +8,6 @@ product).
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import itertools
 import json
@@ -17,14 +16,10 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+sys.path.insert(0, str(Path(__file__).parent / "helpers"))
+from bench_modules import bench_module as _bench  # noqa: E402
+
 HAVE_AUTOROUND = importlib.util.find_spec("auto_round") is not None
-
-
-def _bench(name: str):
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))
-    return importlib.import_module(name)
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ model (slow: stock tools). The report and the pairing of results files: test_ben
 
 from __future__ import annotations
 
-import importlib
 import json
 import shutil
 import sys
@@ -13,14 +12,8 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
-
-
-def _bench(name: str):
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))
-    return importlib.import_module(name)
-
+sys.path.insert(0, str(Path(__file__).parent / "helpers"))
+from bench_modules import bench_module as _bench  # noqa: E402
 
 
 # -- texts -------------------------------------------------------------------------------------

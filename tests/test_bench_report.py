@@ -5,7 +5,6 @@ files, checked on made-up rows (the driver itself: test_bench_quality.py).
 
 from __future__ import annotations
 
-import importlib
 import math
 import sys
 from pathlib import Path
@@ -14,13 +13,9 @@ import pytest
 
 from voodoo_quant.tools.evaluate import stderr
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+sys.path.insert(0, str(Path(__file__).parent / "helpers"))
+from bench_modules import bench_module as _bench  # noqa: E402
 
-
-def _bench(name: str):
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))
-    return importlib.import_module(name)
 
 @pytest.fixture(scope="module")
 def rep():
