@@ -24,7 +24,9 @@ again at each step (PACKED empty). Every variant but ``fixed-pack`` empties PACK
 the sweep as the product runs it. A sweep name ending in ``-requant`` (``packed-requant``) has
 the superblock types' bytes quantized by libggml-base again from W' instead of written by the
 walk (compensation_walk.WRITE_CODES off); ``packed-probe`` rounds no grid type by the proxy
-(compensation_walk.PACKED_PROXY empty), ``packed-before`` neither writes nor takes the proxy.
+(compensation_walk.PACKED_PROXY empty), ``packed-before`` neither writes nor takes the proxy;
+``-noheld`` (``packed-noheld``) has the proxy's held IQ3_XXS levels quantized again instead of
+written (compensation_walk.WRITE_HELD off).
 
     .venv/bin/python bench/compensation_cost.py --shape 1536x1536 --shape 256x8960
     .venv/bin/python bench/compensation_cost.py --shape 1536x1536 --types Q4_K,IQ2_S --sweeps fixed
@@ -102,6 +104,8 @@ def variant(sweep: str) -> tuple[str, dict]:
         return "fixed", {"PACKED": frozenset()}
     if sweep.endswith("-requant"):  # the superblock types' bytes quantized again from W', not written by the walk
         return sweep[:-len("-requant")], {"WRITE_CODES": False}
+    if sweep.endswith("-noheld"):  # the proxy's held levels quantized again from W', not written by the walk
+        return sweep[:-len("-noheld")], {"WRITE_HELD": False}
     if sweep == "packed-probe":  # no grid type rounded by the proxy
         return "packed", {"PACKED_PROXY": frozenset()}
     if sweep == "packed-before":  # the packed sweep before either: every byte requantized, no proxy

@@ -134,7 +134,8 @@ def objective(W, Wq, H) -> float:
 
 
 DEFAULTS = {"PACK_NORM": compensation_walk.PACK_NORM, "PACK_WEIGHTS": compensation_walk.PACK_WEIGHTS,
-            "WRITE_CODES": compensation_walk.WRITE_CODES, "PACKED_PROXY": compensation_walk.PACKED_PROXY}
+            "WRITE_CODES": compensation_walk.WRITE_CODES, "PACKED_PROXY": compensation_walk.PACKED_PROXY,
+            "WRITE_HELD": compensation_walk.WRITE_HELD}
 # the packed probe's measured variants: its rows' normalization (compensation_walk.PACK_NORM) and the
 # weights its search uses (compensation_walk.PACK_WEIGHTS: "row", each row's own superblock σ²; the
 # "ruled" sweep adds the row superblock's ruler to those weights, grid_probe.py)
@@ -142,7 +143,9 @@ VARIANTS = {"packed-max": {"PACK_NORM": "max"}, "packed-row": {"PACK_WEIGHTS": "
             "packed-max-row": {"PACK_NORM": "max", "PACK_WEIGHTS": "row"},
             # the packed walk before the K-quants' bytes were written by the walk (WRITE_CODES) and
             # IQ3_XXS and IQ2_XXS were rounded by the proxy (PACKED_PROXY)
-            "packed-before": {"WRITE_CODES": False, "PACKED_PROXY": frozenset()}}
+            "packed-before": {"WRITE_CODES": False, "PACKED_PROXY": frozenset(), "WRITE_HELD": False},
+            # IQ3_XXS's held levels quantized again by libggml-base instead of written by the walk
+            "packed-noheld": {"WRITE_HELD": False}}
 
 
 def base(sweep: str) -> str:

@@ -314,3 +314,20 @@ def test_a_type_whose_walk_changed_gets_a_cache_key_of_its_own_and_the_others_ke
         assert not compensate.writes_bytes(sweep, "Q4_K") and c.digest_for("Q4_K") == c.digest
     key = CandidateCache.key(np.zeros((4, 256), np.float32), "Q5_K", compensation=Compensation(H, 0.1))
     assert key.compensation == Compensation(H, 0.1).digest_for("Q5_K")
+
+
+@pytest.mark.parametrize("sweep", ["packed", "proxy"])
+def test_the_held_iq3_xxs_bytes_the_walk_writes_are_the_quantizers_for_w_prime(sweep, monkeypatch):
+    """IQ3_XXS under the proxy holds levels libggml-base gives back: the bytes the walk writes from
+    them (proxy_grids.HeldLevelProxy.written) are libggml-base's quantization of the held W', to
+    the byte, and with WRITE_HELD off that quantization is what the candidate is."""
+    lib = ggml.lib()
+    for seed in (21, 22):
+        W, _, H, imx = _problem(rows=24, n=512, tokens=2048, seed=seed)
+        c = Compensation(H, 0.1, sweep)
+        m, data = compensate.compensated(W, "IQ3_XXS", imx, c)
+        assert data is not None and data == lib.quantize(m, "IQ3_XXS", imx)
+    assert c.digest_for("IQ3_XXS") != c.digest
+    monkeypatch.setattr(compensation_walk, "WRITE_HELD", False)
+    assert compensate.compensated(W, "IQ3_XXS", imx, c)[1] is None
+    assert quantize_compensated(W, "IQ3_XXS", imx, c) == data

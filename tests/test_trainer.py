@@ -202,11 +202,12 @@ def test_a_run_records_the_walk_its_candidates_come_from(monkeypatch):
     from voodoo_quant.candidates import compensate, compensation_walk, proxy_rounding
     from voodoo_quant.training import journal
 
-    assert compensate.revision("packed") == f"written/1|proxy=IQ2_XXS,IQ3_XXS:{proxy_rounding.VERSION}"
+    assert compensate.revision("packed") == f"written/1|held/1|proxy=IQ2_XXS,IQ3_XXS:{proxy_rounding.VERSION}"
     assert compensate.revision("requant") is None and compensate.revision("ruled") == "written/1"
     rec = {"method": "gptq", "damp": 0.1, "key": "k", "walk": compensate.revision("packed")}
     assert journal.compensation_of(rec)["walk"] == rec["walk"]
     monkeypatch.setattr(compensation_walk, "WRITE_CODES", False)
     monkeypatch.setattr(compensation_walk, "PACKED_PROXY", frozenset())
+    monkeypatch.setattr(compensation_walk, "WRITE_HELD", False)
     assert compensate.revision("packed") is None
     assert "walk" not in journal.compensation_of({**rec, "walk": None})

@@ -190,7 +190,7 @@ class Compensation:
         q = qt.get(qtype)
         extra = ""
         if writes_bytes(self.sweep, q):
-            extra += "|written/1"
+            extra += "|written-held/1" if _proxied(self.sweep, q) else "|written/1"
         if self.sweep == "packed" and _proxied(self.sweep, q):
             from . import proxy_rounding as pr
 
@@ -205,6 +205,8 @@ def revision(sweep: str) -> str | None:
     parts = []
     if sweep in ("ruled", "fixed", "packed") and walk.WRITE_CODES:
         parts.append("written/1")
+    if sweep in ("packed", "proxy") and walk.WRITE_HELD and (sweep == "proxy" or walk.PACKED_PROXY & {"IQ3_XXS"}):
+        parts.append("held/1")
     if sweep == "packed" and walk.PACKED_PROXY:
         from . import proxy_rounding as pr
 
@@ -216,7 +218,7 @@ def writes_bytes(sweep: str, qtype: str | qt.QType) -> bool:
     """Whether a compensated candidate of `qtype` under `sweep` is the walk's own bytes (no
     quantization of W' after the walk: compensation_walk.writes)."""
     q = qt.get(qtype)
-    return sweep in ("ruled", "fixed", "packed") and walk.writes(q, q.block, _proxied(sweep, q))
+    return sweep in ("ruled", "fixed", "packed", "proxy") and walk.writes(q, q.block, _proxied(sweep, q))
 
 
 def _proxied(sweep: str, q: qt.QType) -> bool:

@@ -81,11 +81,21 @@ WRITE_CODES = True
 PACKED_PROXY = frozenset({"IQ3_XXS", "IQ2_XXS"})
 
 
-def writes(q: qt.QType, B: int, proxy: bool = False) -> bool:
-    """Whether the walk of `q` (blocks of `B`) writes the candidate's bytes itself (WRITE_CODES)."""
-    from . import fixed_rounding
+# the proxy's held-level types whose superblock bytes the walk writes from the levels it chose
+# (proxy_grids.WRITES: IQ3_XXS), not libggml-base's quantization of the held W': that quantization
+# gives the held levels back to the bit (docs/lab/2026-12-07-proxy-grid-types.md), so it only
+# cost about half a plain quantization's time (the bytes were equal on every problem the tests try)
+WRITE_HELD = True
 
-    return bool(WRITE_CODES) and B > STEP and not proxy and q.name in fixed_rounding.SWEEP_TYPES and recode.supports(q)
+
+def writes(q: qt.QType, B: int, proxy: bool = False) -> bool:
+    """Whether the walk of `q` (blocks of `B`) writes the candidate's bytes itself (WRITE_CODES,
+    WRITE_HELD)."""
+    from . import fixed_rounding, proxy_grids, proxy_rounding
+
+    if proxy:
+        return bool(WRITE_HELD) and B > STEP and q.name in proxy_grids.WRITES and proxy_rounding.holds(q)
+    return bool(WRITE_CODES) and B > STEP and q.name in fixed_rounding.SWEEP_TYPES and recode.supports(q)
 
 
 def sweep_fixed(m: np.ndarray, q: qt.QType, imatrix, M, dead, lib, B: int,
@@ -217,7 +227,8 @@ def sweep_fixed(m: np.ndarray, q: qt.QType, imatrix, M, dead, lib, B: int,
                 if rec is not None:
                     rec[:, g0 + c0:g0 + c1] = Qs
             if write:
-                blocks[:, g0 // B] = np.frombuffer(scales.written(), dtype=np.uint8).reshape(rows, q.type_size)
+                done = ruler if proxy else scales  # the superblock's rounding: its bytes
+                blocks[:, g0 // B] = np.frombuffer(done.written(), dtype=np.uint8).reshape(rows, q.type_size)
         out[:, g0:g1] = W
         if g1 < n:
             out[:, g1:] += ((W0[:, g0:g1] - Q) * live[g0:g1]) @ M[g0:g1, g1:]

@@ -71,6 +71,8 @@ SPECS = {
     "IQ2_XS": Spec("iq2xs_grid", (8.0, 25.0, 43.0), 0.125, 1.0, 43.0, "parity"),
 }
 DELTA = 0.125  # IQ1S_DELTA (ggml-common.h)
+# the types whose superblock bytes HeldLevelProxy.written writes (ggml-common.h's block_iq3_xxs)
+WRITES = frozenset({"IQ3_XXS"})
 # the fits of a sub-block's scale on its values' nearest levels (no grid) at trial scales: the
 # sub-block's largest magnitude at these fractions of the largest code, the fit explaining most
 # kept; TRIALS for a step's candidate codes, REACH_TRIALS for the ruler (measured:
@@ -182,6 +184,7 @@ class HeldLevelProxy:
         self.top = s.argmax(1, keepdim=True)
         self.d16 = _fp16(s.gather(1, self.top) / (self.spec.kappa * (2 * self.lmax + 1)))
         self.held = self.code = None
+        self._steps: dict[int, tuple] = {}  # c0 -> (l, entries, minus signs) of that step (written())
 
     def weights(self, blk: torch.Tensor) -> torch.Tensor:
         """libggml-base's search weight of each value of the superblock `blk` (rows × 256):
@@ -334,4 +337,28 @@ class HeldLevelProxy:
         level = grid_probe.levels(code, self.q)  # the quantizer's levels (IQ1_S, IQ3_S: the codes)
         self.held = ((d2l / self.spec.fudge).unsqueeze(2) * level).reshape(rows, -1)
         self.code = code.reshape(rows, -1)
+        self._steps[c0] = (l.reshape(rows, subs), e.reshape(rows, -1), (sign < 0).reshape(rows, -1))
         return vals
+
+    def written(self) -> bytes:
+        """The superblock's bytes in the format, from what :meth:`round` chose at every step
+        (IQ3_XXS only: :data:`WRITES`): dequantized, each value is the step's rounding to the bit."""
+        if self.q.name not in WRITES:
+            raise QuantizationInputError(f"no byte writer for {self.q.name}'s held levels")
+        if sorted(self._steps) != list(range(0, 256, 32)):
+            raise QuantizationInputError("the superblock's steps were not all rounded")
+        rows = self.d16.shape[0]
+        dev = self.d16.device
+        out = torch.zeros(rows, self.q.type_size, dtype=torch.uint8, device=dev)
+        bits = self.d16.reshape(rows).to(torch.float16).view(torch.int16).to(torch.int64) & 0xFFFF
+        out[:, 0], out[:, 1] = (bits & 0xFF).to(torch.uint8), (bits >> 8).to(torch.uint8)
+        shift8 = torch.arange(8, device=dev)
+        shift7 = torch.arange(0, 28, 7, device=dev)
+        for ib, c0 in enumerate(range(0, 256, 32)):
+            l, e, neg = self._steps[c0]
+            out[:, 2 + 8 * ib:10 + 8 * ib] = e.to(torch.uint8)  # a grid index per 4 weights
+            mask = (neg.reshape(rows, 4, 8).to(torch.int64) << shift8).sum(2) & 127  # ksigns: the 8th is parity
+            aux = (mask << shift7).sum(1) | (l.reshape(rows).to(torch.int64) << 28)
+            for k in range(4):
+                out[:, 66 + 4 * ib + k] = ((aux >> (8 * k)) & 0xFF).to(torch.uint8)
+        return out.cpu().numpy().tobytes()
