@@ -205,7 +205,7 @@ def revision(sweep: str) -> str | None:
     parts = []
     if sweep in ("ruled", "fixed", "packed") and walk.WRITE_CODES:
         parts.append("written/1")
-    if sweep in ("packed", "proxy") and walk.WRITE_HELD and (sweep == "proxy" or walk.PACKED_PROXY & {"IQ3_XXS"}):
+    if any(writes_bytes(sweep, t) and _proxied(sweep, qt.get(t)) for t in walk.held_writes()):
         parts.append("held/1")
     if sweep == "packed" and walk.PACKED_PROXY:
         from . import proxy_rounding as pr

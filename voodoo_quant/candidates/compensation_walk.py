@@ -88,6 +88,13 @@ PACKED_PROXY = frozenset({"IQ3_XXS", "IQ2_XXS"})
 WRITE_HELD = True
 
 
+def held_writes() -> frozenset:
+    """The held-level types whose bytes a proxied walk can write (proxy_grids.WRITES)."""
+    from . import proxy_grids
+
+    return proxy_grids.WRITES
+
+
 def writes(q: qt.QType, B: int, proxy: bool = False) -> bool:
     """Whether the walk of `q` (blocks of `B`) writes the candidate's bytes itself (WRITE_CODES,
     WRITE_HELD)."""
